@@ -10,6 +10,8 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "ZenFlowConfig": "zenflow.config",
     "load_config": "zenflow.config",
+    "ConfigError": "zenflow.config",
+    "build_lr_scheduler": "zenflow.config",
     "ReferenceZenFlowAdamW": "zenflow.reference",
 }
 
