@@ -124,9 +124,9 @@ def _effective_strategy(select_strategy: Any, select_interval: Any, update_inter
         )
     _check_interval("select_interval", select_interval)
     _check_interval("update_interval", update_interval)
-    if select_strategy == "auto":
-        return "auto" if select_interval == "auto" else "step"
-    if select_interval == "auto":
+    if select_strategy == "auto" and select_interval != "auto":
+        select_strategy = "step"
+    if select_strategy != "auto" and select_interval == "auto":
         unit = "steps" if select_strategy == "step" else "epochs"
         raise _Problem(
             "select_interval",
@@ -846,7 +846,7 @@ class ZenFlowConfig(_Section):
         return self.zero_optimization.stage
 
     @property
-    def offload_optimizer(self) -> bool:
+    def cpu_offload(self) -> bool:
         """True when optimizer state lives on the host (ZeRO-Offload; always with ZenFlow)."""
         offload = self.zero_optimization.offload_optimizer
         return offload is not None and offload.device == "cpu"
