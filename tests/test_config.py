@@ -288,7 +288,7 @@ BAD_CONFIGS = [
     (
         "null_zero_optimization",
         {**EX, "zero_optimization": None},
-        "zero_optimization: expected a JSON object {...}, got null (null)",
+        "zero_optimization: expected a JSON object {...}, got null",
     ),
     (
         "list_zenflow_block",

@@ -1023,7 +1023,9 @@ def _did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
 
 
 def _describe(value: Any) -> str:
-    kind = {type(None): "null", bool: "a boolean", list: "a list", str: "a string"}.get(type(value))
+    if value is None:
+        return "null"
+    kind = {bool: "a boolean", list: "a list", str: "a string"}.get(type(value))
     if kind is None:
         kind = "a number" if isinstance(value, (int, float)) else type(value).__name__
     return f"{kind} ({json.dumps(value, default=repr)[:60]})"
