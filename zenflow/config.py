@@ -751,6 +751,7 @@ class ZenFlowConfig(_Section):
       train_batch_size = micro_batch_size * gradient_accumulation_steps * world_size;
     * ``lr``, ``betas``, ``eps``, ``weight_decay`` (from ``optimizer.params``; DeepSpeed's CPU Adam
       defaults when there is no optimizer block);
+    * ``zero_stage`` and ``cpu_offload`` (optimizer state on the host);
     * ``zenflow_enabled`` and ``zenflow`` (the block or None), whose ``select_interval_steps`` is
       the resolved select interval in optimizer steps, or None until the epoch length is known:
       ``with_steps_per_epoch(n)`` returns the resolved copy.
