@@ -1,2 +1,186 @@
-// C ABI of zenflow's CPU optimizer library, loaded from Python with ctypes.
-extern "C" __attribute__((visibility("default"))) int zf_abi_version() { return 1; }
+// C ABI of zenflow's CPU optimizer library, loaded from Python with ctypes (which releases the
+// GIL for the duration of every call). Python mirrors TensorWork and Hyper with ctypes
+// structures; zf_record_sizes lets it check the layouts before the first call.
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "adamw_kernels.h"
+#include "thread_pool.h"
+
+#define ZF_API extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+using zf::Hyper;
+using zf::TensorWork;
+
+// Elements per task: large enough that handing out a task costs nothing next to running it,
+// small enough to balance the threads.
+constexpr int64_t kChunk = 1 << 16;
+
+std::mutex g_pool_mu;
+zf::ThreadPool* g_pool = nullptr;  // created on first use; never destroyed at exit (see below)
+int g_num_threads = 1;
+std::atomic<int> g_isa{zf::kAuto};
+std::atomic<int> g_inject_failures{0};
+
+// A forked child has none of the parent's worker threads: it starts a fresh pool on first use.
+// The parent's pool object is deliberately leaked there, as its threads cannot be joined.
+void atfork_prepare() { g_pool_mu.lock(); }
+void atfork_parent() { g_pool_mu.unlock(); }
+void atfork_child() {
+  g_pool = nullptr;
+  g_pool_mu.unlock();
+}
+const int g_atfork_registered = pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
+
+struct Handle {
+  std::shared_ptr<zf::Job> job;
+};
+
+zf::Isa effective_isa() {
+  const int isa = g_isa.load();
+  return isa == zf::kAuto ? zf::best_isa() : static_cast<zf::Isa>(isa);
+}
+
+bool valid_grad_dtype(int32_t d) { return d == zf::kF32 || d == zf::kBF16 || d == zf::kF16; }
+
+std::string check_tensor(const TensorWork& t) {
+  if (t.numel < 0) return "negative numel";
+  if (t.numel == 0) return "";
+  if (!t.param || !t.exp_avg || !t.exp_avg_sq) return "null param, exp_avg or exp_avg_sq";
+  if (!t.grad && !t.accumulator) return "no gradient (grad and accumulator are both null)";
+  if (t.grad && !valid_grad_dtype(t.grad_dtype)) return "grad dtype must be fp32, bf16 or fp16";
+  if (t.out16 && t.out_dtype != zf::kBF16 && t.out_dtype != zf::kF16) {
+    return "out16 dtype must be bf16 or fp16";
+  }
+  if (!t.segment_steps) return t.step >= 1 ? "" : "step must be >= 1 (the count after increment)";
+  if (t.segment_len < 1) return "segment_len must be >= 1";
+  const int64_t segments = (t.numel + t.segment_len - 1) / t.segment_len;
+  for (int64_t s = 0; s < segments; ++s) {
+    if (t.segment_steps[s] < 1) return "segment " + std::to_string(s) + " has step < 1";
+  }
+  return "";
+}
+
+void copy_message(const std::string& msg, char* buf, int64_t len) {
+  if (buf && len > 0) std::snprintf(buf, static_cast<size_t>(len), "%s", msg.c_str());
+}
+
+}  // namespace
+
+ZF_API int zf_abi_version() { return 2; }
+
+ZF_API void zf_record_sizes(int64_t* tensor_work, int64_t* hyper) {
+  *tensor_work = sizeof(TensorWork);
+  *hyper = sizeof(Hyper);
+}
+
+// Waits for every queued job before the new thread count takes effect.
+ZF_API int zf_set_num_threads(int n) {
+  if (n < 1) return -1;
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  delete g_pool;
+  g_pool = nullptr;
+  g_num_threads = n;
+  return 0;
+}
+
+ZF_API int zf_get_num_threads() {
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  return g_num_threads;
+}
+
+ZF_API int zf_isa() { return effective_isa(); }
+
+// isa: 0 picks the best this CPU supports. Returns -1 if the CPU lacks it. Jobs already
+// submitted keep the variant they were submitted with.
+ZF_API int zf_set_isa(int isa) {
+  if (isa != zf::kAuto && !zf::isa_supported(static_cast<zf::Isa>(isa))) return -1;
+  g_isa.store(isa);
+  return 0;
+}
+
+// Test hook: each of the next `jobs` submitted jobs with at least one element throws from a
+// worker thread instead of running its first task (the job's other tasks are then skipped).
+ZF_API void zf_inject_failure(int jobs) { g_inject_failures.store(std::max(jobs, 0)); }
+
+// Queues one multi-tensor AdamW update and returns at once. 0: *handle_out is a job handle to
+// wait on and release. Otherwise the arguments are invalid, nothing was queued and err holds
+// the reason.
+ZF_API int zf_submit(const TensorWork* tensors, int64_t n, const Hyper* hyper, void** handle_out,
+                     char* err, int64_t err_len) {
+  try {
+    if (n < 0 || (n > 0 && !tensors) || !hyper || !handle_out) {
+      copy_message("invalid arguments", err, err_len);
+      return 1;
+    }
+    std::vector<TensorWork> work(tensors, tensors + n);
+    struct Task {
+      int64_t tensor, begin, end;
+    };
+    std::vector<Task> tasks;
+    for (int64_t i = 0; i < n; ++i) {
+      const std::string problem = check_tensor(work[i]);
+      if (!problem.empty()) {
+        copy_message("tensor " + std::to_string(i) + ": " + problem, err, err_len);
+        return 1;
+      }
+      for (int64_t b = 0; b < work[i].numel; b += kChunk) {
+        tasks.push_back({i, b, std::min(work[i].numel, b + kChunk)});
+      }
+    }
+    bool fail = false;
+    for (int left = g_inject_failures.load(); !tasks.empty() && left > 0;) {
+      if (g_inject_failures.compare_exchange_weak(left, left - 1)) {
+        fail = true;
+        break;
+      }
+    }
+    const zf::RangeFn fn = zf::range_fn(effective_isa());
+    const size_t num_tasks = tasks.size();
+    auto job = std::make_shared<zf::Job>(
+        num_tasks, [work = std::move(work), tasks = std::move(tasks), h = *hyper, fn,
+                    fail](size_t i) {
+          if (fail && i == 0) throw std::runtime_error("injected failure (zf_inject_failure)");
+          fn(work[tasks[i].tensor], h, tasks[i].begin, tasks[i].end);
+        });
+    if (num_tasks > 0) {
+      std::lock_guard<std::mutex> lock(g_pool_mu);
+      if (!g_pool) g_pool = new zf::ThreadPool(g_num_threads);
+      g_pool->submit(job);
+    }
+    *handle_out = new Handle{std::move(job)};
+    return 0;
+  } catch (const std::exception& e) {
+    copy_message(std::string("submission failed: ") + e.what(), err, err_len);
+    return 2;
+  }
+}
+
+// 1 once the job has finished (successfully or not), 0 if timeout_ms (< 0: no limit) passed.
+ZF_API int zf_job_wait(void* handle, int64_t timeout_ms) {
+  return static_cast<Handle*>(handle)->job->wait(static_cast<long>(timeout_ms)) ? 1 : 0;
+}
+
+ZF_API int zf_job_done(void* handle) { return static_cast<Handle*>(handle)->job->done() ? 1 : 0; }
+
+// Copies the failure message of a finished job into buf; returns its length (0: no failure).
+ZF_API int64_t zf_job_error(void* handle, char* buf, int64_t len) {
+  const std::string msg = static_cast<Handle*>(handle)->job->error();
+  copy_message(msg, buf, len);
+  return static_cast<int64_t>(msg.size());
+}
+
+// The caller must not release a job that is still running: its tensors must outlive it anyway.
+ZF_API void zf_job_release(void* handle) { delete static_cast<Handle*>(handle); }

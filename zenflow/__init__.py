@@ -13,6 +13,7 @@ _PUBLIC = {
     "ConfigError": "zenflow.config",
     "build_lr_scheduler": "zenflow.config",
     "ReferenceZenFlowAdamW": "zenflow.reference",
+    "CPUAdamW": "zenflow.cpu_adamw",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -1,0 +1,94 @@
+#include "thread_pool.h"
+
+#include <chrono>
+#include <exception>
+#include <utility>
+
+namespace zf {
+
+Job::Job(size_t num_tasks, std::function<void(size_t)> task)
+    : num_tasks_(num_tasks), task_(std::move(task)) {}
+
+void Job::run_task(size_t i) {
+  bool skip;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    skip = failed_;
+  }
+  std::string error;
+  if (!skip) {
+    try {
+      task_(i);
+    } catch (const std::exception& e) {
+      error = e.what();
+      if (error.empty()) error = "unknown C++ exception";
+    } catch (...) {
+      error = "unknown C++ exception";
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!error.empty() && !failed_) {
+    failed_ = true;
+    error_ = std::move(error);
+  }
+  if (++finished_ == num_tasks_) cv_.notify_all();
+}
+
+bool Job::wait(long timeout_ms) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto all_done = [this] { return finished_ == num_tasks_; };
+  if (timeout_ms < 0) {
+    cv_.wait(lock, all_done);
+    return true;
+  }
+  return cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), all_done);
+}
+
+bool Job::done() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return finished_ == num_tasks_;
+}
+
+std::string Job::error() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+ThreadPool::ThreadPool(int num_threads) {
+  for (int i = 0; i < num_threads; ++i) threads_.emplace_back([this] { worker(); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+void ThreadPool::submit(std::shared_ptr<Job> job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(job));
+  }
+  cv_.notify_all();
+}
+
+void ThreadPool::worker() {
+  for (;;) {
+    std::shared_ptr<Job> job;
+    size_t task = 0;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and nothing left to run
+      job = queue_.front();
+      task = job->next_++;
+      if (job->next_ == job->num_tasks_) queue_.pop_front();  // every task handed out
+    }
+    job->run_task(task);
+  }
+}
+
+}  // namespace zf

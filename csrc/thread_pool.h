@@ -1,0 +1,63 @@
+// A persistent pool of std::threads running jobs in submission order. A job is a number of
+// independent tasks; any worker may run any task, so a job's result must not depend on which
+// thread runs which task (the AdamW tasks are disjoint element ranges).
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace zf {
+
+class Job {
+ public:
+  Job(size_t num_tasks, std::function<void(size_t)> task);
+
+  size_t num_tasks() const { return num_tasks_; }
+  // Runs one task; an exception is recorded (the first message wins) and the remaining tasks
+  // are skipped, so a failed job finishes quickly and reports at wait().
+  void run_task(size_t i);
+  // Waits up to timeout_ms (forever if negative); true once every task has finished.
+  bool wait(long timeout_ms);
+  bool done();
+  std::string error();  // empty unless a task failed; valid once done
+
+ private:
+  friend class ThreadPool;
+  const size_t num_tasks_;
+  const std::function<void(size_t)> task_;
+  size_t next_ = 0;  // next task to hand out, guarded by the pool's mutex
+  std::mutex mu_;
+  std::condition_variable cv_;
+  size_t finished_ = 0;
+  bool failed_ = false;
+  std::string error_;
+};
+
+class ThreadPool {
+ public:
+  explicit ThreadPool(int num_threads);
+  ~ThreadPool();  // finishes every queued job, then joins the workers
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  void submit(std::shared_ptr<Job> job);  // a job with no tasks must not be submitted
+  int num_threads() const { return static_cast<int>(threads_.size()); }
+
+ private:
+  void worker();
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Job>> queue_;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace zf

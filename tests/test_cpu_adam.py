@@ -1,0 +1,458 @@
+"""zenflow's C++ CPU AdamW: numerics against torch.optim.AdamW, per-segment steps, bf16/fp16
+copy-out, the fused ZenFlow boundary pass, determinism, asynchrony and error paths."""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.optim.adamw import adamw as torch_adamw
+
+from zenflow.cpu_adamw import CPUAdamW
+from zenflow.runtime import cpu_adam
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+HYPERS = [
+    dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01),
+    # beta1 = 0.5 and 0 take the other branch of torch's lerp (weight >= 0.5).
+    dict(lr=1e-1, betas=(0.5, 0.9), eps=1e-6, weight_decay=0.1),
+    dict(lr=3e-4, betas=(0.0, 0.99), eps=1e-8, weight_decay=0.0),
+]
+ISAS = ["scalar", "avx2", "avx512"]
+
+
+def _supported_isas():
+    out = []
+    for name in ISAS:
+        try:
+            cpu_adam._force_isa_for_tests(name)
+            out.append(name)
+        except ValueError:
+            pass
+    cpu_adam._force_isa_for_tests(None)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _restore_pool():
+    threads = cpu_adam.get_num_threads()
+    yield
+    cpu_adam._force_isa_for_tests(None)
+    cpu_adam._inject_failure_for_tests(0)
+    cpu_adam.set_num_threads(threads)
+
+
+def _hyper(h):
+    return dict(
+        lr=h["lr"],
+        beta1=h["betas"][0],
+        beta2=h["betas"][1],
+        eps=h["eps"],
+        weight_decay=h["weight_decay"],
+    )
+
+
+def _torch_reference(p, g, m, v, step, h):
+    """One step of torch's single-tensor AdamW on the given (views of) buffers."""
+    torch_adamw(
+        [p],
+        [g],
+        [m],
+        [v],
+        [],
+        [torch.tensor(float(step - 1))],
+        foreach=False,
+        amsgrad=False,
+        maximize=False,
+        **_hyper(h),
+    )
+
+
+def _run_pair(numel, hyper, steps=20, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ours = torch.randn(numel, generator=gen)
+    ref = ours.clone().requires_grad_()
+    ours.requires_grad_()
+    opt = CPUAdamW([ours], **hyper)
+    ref_opt = torch.optim.AdamW([ref], foreach=False, **hyper)
+    for _ in range(steps):
+        g = torch.randn(numel, generator=gen)
+        ours.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+    return (ours, opt.state[ours]), (ref, ref_opt.state[ref])
+
+
+@pytest.mark.parametrize("hyper", HYPERS)
+@pytest.mark.parametrize("numel", [0, 1, 7, 1023])
+def test_matches_torch_adamw(numel, hyper):
+    (p, s), (rp, rs) = _run_pair(numel, hyper)
+    torch.testing.assert_close(p.detach(), rp.detach(), **TOL)
+    torch.testing.assert_close(s["exp_avg"], rs["exp_avg"], **TOL)
+    torch.testing.assert_close(s["exp_avg_sq"], rs["exp_avg_sq"], **TOL)
+    assert s["step"].item() == rs["step"].item() == 20
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matches_torch_adamw_large(threads):
+    cpu_adam.set_num_threads(threads)
+    (p, s), (rp, rs) = _run_pair(2**20 + 3, HYPERS[threads - 1])
+    torch.testing.assert_close(p.detach(), rp.detach(), **TOL)
+    torch.testing.assert_close(s["exp_avg"], rs["exp_avg"], **TOL)
+    torch.testing.assert_close(s["exp_avg_sq"], rs["exp_avg_sq"], **TOL)
+
+
+def test_param_groups_and_lr_schedule_match_torch():
+    gen = torch.Generator().manual_seed(1)
+    init = [torch.randn(33, 17, generator=gen), torch.randn(33, generator=gen)]
+    ours = [t.clone().requires_grad_() for t in init]
+    ref = [t.clone().requires_grad_() for t in init]
+
+    def groups(ps):
+        return [{"params": [ps[0]]}, {"params": [ps[1]], "weight_decay": 0.0, "lr": 5e-2}]
+
+    opt = CPUAdamW(groups(ours), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, weight_decay=0.1, foreach=False)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in (opt, ref_opt)]
+    for _ in range(10):
+        for a, b in zip(ours, ref, strict=True):
+            g = torch.randn(a.shape, generator=gen)
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+        for s in scheds:
+            s.step()
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), **TOL)
+
+
+def _buffers(numel, seed, grad_dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(numel, generator=gen)
+    g = torch.randn(numel, generator=gen).to(grad_dtype)
+    m = torch.randn(numel, generator=gen) * 0.1
+    v = torch.rand(numel, generator=gen) * 0.01
+    return p, g, m, v
+
+
+def test_per_segment_steps_match_per_segment_reference():
+    seg_len, segments = 37, 11
+    numel = seg_len * segments - 5  # the last segment is partial
+    hyper = HYPERS[0]
+    seg_steps = torch.randint(1, 50, (segments,), generator=torch.Generator().manual_seed(2))
+    seg_steps[3:6] = 7  # neighbouring segments sharing a step run as one
+    p, g, m, v = _buffers(numel, 3)
+    rp, rm, rv = p.clone(), m.clone(), v.clone()
+    cpu_adam.adamw_step(
+        [p], [g], [m], [v], **_hyper(hyper), steps=[seg_steps.int()], segment_len=seg_len
+    )
+    for j in range(segments):
+        sl = slice(j * seg_len, min(numel, (j + 1) * seg_len))
+        _torch_reference(rp[sl], g[sl], rm[sl], rv[sl], int(seg_steps[j]), hyper)
+    torch.testing.assert_close(p, rp, **TOL)
+    torch.testing.assert_close(m, rm, **TOL)
+    torch.testing.assert_close(v, rv, **TOL)
+
+
+def test_uniform_step_is_the_special_case_of_segment_steps():
+    a = _buffers(1000, 4)
+    b = [t.clone() for t in a]
+    hyper = _hyper(HYPERS[1])
+    cpu_adam.adamw_step([a[0]], [a[1]], [a[2]], [a[3]], **hyper, steps=9)
+    steps = torch.full((10,), 9, dtype=torch.int64)
+    cpu_adam.adamw_step([b[0]], [b[1]], [b[2]], [b[3]], **hyper, steps=[steps], segment_len=100)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+def _special_values():
+    """Values whose bf16/fp16 rounding is delicate: ties, subnormals, overflow, inf, NaN."""
+    gen = torch.Generator().manual_seed(5)
+    wide = torch.randn(4096, generator=gen) * torch.exp2(torch.randint(-30, 30, (4096,)).float())
+    bits = torch.randint(0, 2**31 - 1, (4096,), generator=gen, dtype=torch.int64)
+    ties = ((bits & ~0xFFFF) | 0x8000).to(torch.int32).view(torch.float32)
+    ties_f16 = ((bits & ~0x1FFF) | 0x1000).to(torch.int32).view(torch.float32)
+    edges = torch.tensor(
+        [0.0, -0.0, 65504.0, 65519.0, 65520.0, 1e6, -1e6, 6e-8, 3e-8, 2.98e-8, 1e-6, 6.1e-5,
+         1e-40, -1e-40, 3.4e38, float("inf"), float("-inf"), float("nan")]
+    )  # fmt: skip
+    return torch.cat([wide, ties, ties_f16, ties_f16 * 2**-20, edges])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_copy_out_rounds_to_nearest_even(isa, dtype):
+    if isa not in _supported_isas():
+        pytest.skip(f"CPU lacks {isa}")
+    cpu_adam._force_isa_for_tests(isa)
+    p = _special_values()
+    numel = p.numel()
+    out = torch.empty(numel, dtype=dtype)
+    # lr = weight_decay = 0 leave p as it is (up to the sign of zero), so every value reaches
+    # the conversion.
+    cpu_adam.adamw_step(
+        [p],
+        [torch.randn(numel)],
+        [torch.zeros(numel)],
+        [torch.zeros(numel)],
+        lr=0.0,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.0,
+        steps=1,
+        out16=[out],
+    )
+    expected = p.to(dtype)
+    nan = torch.isnan(p)
+    assert torch.equal(torch.isnan(out), nan)
+    assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
+def _job(seed, numels, grad_dtype, out_dtype, boundary):
+    """Buffers and kwargs for a multi-tensor call with mixed per-segment and uniform steps."""
+    bufs = [_buffers(n, seed + i, grad_dtype) for i, n in enumerate(numels)]
+    gen = torch.Generator().manual_seed(seed)
+    steps = [torch.randint(1, 30, (-(-n // 64),), generator=gen) for n in numels]
+    steps[0] = 5
+    args = dict(
+        params=[b[0] for b in bufs],
+        exp_avgs=[b[2] for b in bufs],
+        exp_avg_sqs=[b[3] for b in bufs],
+        out16=[torch.empty(n, dtype=out_dtype) for n in numels] if out_dtype else None,
+        steps=steps,
+        segment_len=64,
+        **_hyper(HYPERS[0]),
+    )
+    if boundary:
+        args["accumulators"] = [torch.randn(n, generator=gen) for n in numels]
+        args["last_grads"] = [b[1] for b in bufs]
+        args["n"] = 3
+    else:
+        args["grads"] = [b[1] for b in bufs]
+    return args
+
+
+def _run_job(args, boundary):
+    if boundary:
+        cpu_adam.boundary_adamw_step(**args)
+    else:
+        cpu_adam.adamw_step(**args)
+    keys = ["params", "exp_avgs", "exp_avg_sqs", "out16", "accumulators"]
+    return [t for k in keys for t in (args.get(k) or [])]
+
+
+NUMELS = [200_003, 1, 15, 64, 70_000]
+
+
+@pytest.mark.parametrize("boundary", [False, True])
+def test_bitwise_identical_across_thread_counts_and_isas(boundary):
+    results = []
+    for isa in _supported_isas():
+        cpu_adam._force_isa_for_tests(isa)
+        for threads in [1, 2, 3, 5]:
+            cpu_adam.set_num_threads(threads)
+            args = _job(10, NUMELS, torch.bfloat16, torch.bfloat16, boundary)
+            results.append(((isa, threads), _run_job(args, boundary)))
+    (_, first), rest = results[0], results[1:]
+    for config, tensors in rest:
+        for a, b in zip(first, tensors, strict=True):
+            assert torch.equal(a, b), config
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_half_gradients_equal_their_fp32_upcast(grad_dtype):
+    a = _job(20, [3001], grad_dtype, torch.float16, False)
+    b = _job(20, [3001], grad_dtype, torch.float16, False)
+    b["grads"] = [g.float() for g in b["grads"]]
+    for x, y in zip(_run_job(a, False), _run_job(b, False), strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("with_last_grad", [True, False])
+def test_fused_boundary_equals_accumulate_then_step(with_last_grad):
+    numels = [5000, 17]
+    fused = _job(30, numels, torch.bfloat16, torch.bfloat16, True)
+    if not with_last_grad:
+        fused["last_grads"] = None
+    split = copy.deepcopy(fused)
+    _run_job(fused, True)
+
+    accs = split.pop("accumulators")
+    last = split.pop("last_grads")
+    n = split.pop("n")
+    if last is not None:
+        for acc, g in zip(accs, last, strict=True):
+            acc += g.float()
+    cpu_adam.adamw_step(grads=accs, grad_scale=1.0 / n, **split)
+    for key in ["params", "exp_avgs", "exp_avg_sqs", "out16"]:
+        for a, b in zip(fused[key], split[key], strict=True):
+            assert torch.equal(a, b), key
+    for p, out in zip(fused["params"], fused["out16"], strict=True):
+        assert torch.equal(out, p.to(torch.bfloat16))
+    assert all(torch.count_nonzero(acc) == 0 for acc in fused["accumulators"])
+
+
+def test_async_equals_sync_and_runs_in_order():
+    cpu_adam.set_num_threads(1)
+    sync = [_job(40 + i, [2**21], torch.float32, None, False) for i in range(4)]
+    asyn = copy.deepcopy(sync)
+    for args in sync:
+        _run_job(args, False)
+    # The same tensors updated twice: the second job must see the first one's result.
+    handles = [cpu_adam.submit_adamw_step(**args) for args in asyn + asyn]
+    assert not handles[-1].done()  # eight passes over 2M elements on one thread take a while
+    for h in handles:
+        h.wait()
+        assert h.done()
+    for args in sync:
+        _run_job(args, False)
+    for a, b in zip(sync, asyn, strict=True):
+        for x, y in zip(_run_job(a, False), _run_job(b, False), strict=True):
+            assert torch.equal(x, y)
+
+
+def test_optimizer_step_async_equals_step():
+    init = torch.randn(3000)
+    ps = [init.clone().requires_grad_() for _ in range(2)]
+    opts = [CPUAdamW([p], lr=1e-2) for p in ps]
+    for i in range(3):
+        g = torch.randn(3000)
+        for p in ps:
+            p.grad = g.clone()
+        opts[0].step()
+        handle = opts[1].step_async()
+        if i == 2:  # the next call waits for a pending update by itself
+            handle.wait()
+            assert handle.done()
+    assert torch.equal(ps[0], ps[1])
+    assert torch.equal(opts[0].state[ps[0]]["exp_avg_sq"], opts[1].state[ps[1]]["exp_avg_sq"])
+
+
+def test_state_dict_round_trip():
+    gen = torch.Generator().manual_seed(6)
+    grads = [torch.randn(50, generator=gen) for _ in range(6)]
+    a = torch.randn(50, generator=gen).requires_grad_()
+    opt = CPUAdamW([a], lr=1e-2)
+    for g in grads[:3]:
+        a.grad = g.clone()
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    b = a.detach().clone().requires_grad_()
+    restored = CPUAdamW([b], lr=1.0)  # the state dict's hyperparameters win
+    restored.load_state_dict(saved)
+    for g in grads[3:]:
+        a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        restored.step()
+    assert torch.equal(a, b)
+    assert restored.state[b]["step"].item() == 6
+
+
+def test_loads_torch_adamw_state():
+    gen = torch.Generator().manual_seed(7)
+    a = torch.randn(40, generator=gen).requires_grad_()
+    ref = torch.optim.AdamW([a], lr=1e-2, foreach=False)
+    a.grad = torch.randn(40, generator=gen)
+    ref.step()
+    b = a.detach().clone().requires_grad_()
+    ours = CPUAdamW([b], lr=1e-2)
+    ours.load_state_dict(copy.deepcopy(ref.state_dict()))  # torch shares loaded tensors
+    for _ in range(3):
+        g = torch.randn(40, generator=gen)
+        a.grad, b.grad = g.clone(), g.clone()
+        ref.step()
+        ours.step()
+    torch.testing.assert_close(b.detach(), a.detach(), **TOL)
+
+
+def test_worker_failure_surfaces_at_wait():
+    args = _job(50, [100_000, 10], torch.float32, None, False)
+    cpu_adam._inject_failure_for_tests(1)
+    handle = cpu_adam.submit_adamw_step(**args)
+    with pytest.raises(cpu_adam.CPUAdamError, match="injected failure"):
+        handle.wait()
+    with pytest.raises(cpu_adam.CPUAdamError):  # and again: a failure is never lost
+        handle.wait()
+    cpu_adam.adamw_step(**args)  # the pool survives
+
+    p = torch.randn(10, requires_grad=True)
+    opt = CPUAdamW([p])
+    p.grad = torch.randn(10)
+    cpu_adam._inject_failure_for_tests(1)
+    with pytest.raises(cpu_adam.CPUAdamError):
+        opt.step()
+
+
+def _call(**overrides):
+    args = dict(
+        params=[torch.zeros(8)],
+        grads=[torch.zeros(8)],
+        exp_avgs=[torch.zeros(8)],
+        exp_avg_sqs=[torch.zeros(8)],
+        **_hyper(HYPERS[0]),
+        steps=1,
+    )
+    args.update(overrides)
+    cpu_adam.adamw_step(**args)
+
+
+@pytest.mark.parametrize(
+    "overrides, error, match",
+    [
+        (dict(params=[torch.zeros(16)[::2]]), ValueError, r"params\[0\] is not contiguous"),
+        (dict(grads=[torch.zeros(8, dtype=torch.float64)]), TypeError, r"grads\[0\] has dtype"),
+        (dict(exp_avgs=[torch.zeros(8, dtype=torch.int32)]), TypeError, r"exp_avgs\[0\]"),
+        (dict(exp_avg_sqs=[torch.zeros(8, device="meta")]), ValueError, r"is on meta"),
+        (dict(grads=[torch.zeros(9)]), ValueError, r"grads\[0\] has 9 elements"),
+        (dict(grads=[]), ValueError, "grads has 0 tensors for 1 params"),
+        (dict(out16=[torch.zeros(8)]), TypeError, r"out16\[0\] has dtype torch.float32"),
+        (dict(steps=0), ValueError, "steps count from 1"),
+        (dict(beta2=1.0), ValueError, "beta2"),
+        (dict(steps=[torch.ones(2, dtype=torch.int64)]), ValueError, "segment_len"),
+        (dict(steps=[torch.ones(3)], segment_len=4), TypeError, "int32/int64"),
+        (dict(steps=[torch.ones(3, dtype=torch.int64)], segment_len=4), ValueError, "2 segments"),
+        (dict(steps=[torch.tensor([1, 0])], segment_len=4), ValueError, "segment 1 has step < 1"),
+    ],
+)
+def test_invalid_arguments_raise(overrides, error, match):
+    with pytest.raises(error, match=match):
+        _call(**overrides)
+
+
+def test_optimizer_rejects_unsupported_params():
+    with pytest.raises(TypeError, match="param 0 of param group 0 has dtype torch.bfloat16"):
+        CPUAdamW([torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)])
+    with pytest.raises(ValueError, match="not contiguous"):
+        CPUAdamW([torch.zeros(4, 4).t().requires_grad_()])
+    with pytest.raises(ValueError, match="param 0 of param group 1 is on meta"):
+        CPUAdamW([{"params": [torch.zeros(2)]}, {"params": [torch.zeros(2, device="meta")]}])
+
+
+def test_missing_library_says_how_to_build(monkeypatch):
+    monkeypatch.setattr(cpu_adam, "_lib", None)
+    monkeypatch.setattr(cpu_adam.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match=r"pip install -e \.` \(or `make install`\)"):
+        cpu_adam.get_num_threads()
+
+
+def test_library_loads_lazily():
+    code = (
+        "import zenflow, zenflow.runtime.cpu_adam as c; assert c._lib is None; "
+        "c.isa(); assert c._lib is not None"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_thread_count_helpers():
+    assert cpu_adam.threads_from_reserved_cores(0.5, cpu_count=16) == 8
+    assert cpu_adam.threads_from_reserved_cores(1.0, cpu_count=4) == 1
+    assert cpu_adam.threads_from_reserved_cores(0.0, cpu_count=4) == 4
+    with pytest.raises(ValueError):
+        cpu_adam.threads_from_reserved_cores(1.5)
+    cpu_adam.set_num_threads(3)
+    assert cpu_adam.get_num_threads() == 3
+    with pytest.raises(ValueError):
+        cpu_adam.set_num_threads(0)
+    assert cpu_adam.isa() in ISAS

@@ -1,0 +1,166 @@
+"""``zenflow.CPUAdamW``: AdamW over CPU fp32 tensors, computed by zenflow's C++ kernels.
+
+The math and the state layout (``step``, ``exp_avg``, ``exp_avg_sq`` per parameter) are those of
+``torch.optim.AdamW``, so state dicts move between the two. The update runs in C++ threads with
+the GIL released; ``step_async()`` returns before it finishes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zenflow.runtime import cpu_adam
+
+__all__ = ["CPUAdamW", "CPUAdamWStepHandle"]
+
+
+class CPUAdamWStepHandle:
+    """An in-flight ``CPUAdamW.step_async()``: ``wait()`` blocks (GIL released) and raises
+    ``CPUAdamError`` if a worker failed; ``done()`` polls."""
+
+    def __init__(self, handles: list[cpu_adam.CPUAdamHandle]):
+        self._handles = handles
+
+    def done(self) -> bool:
+        return all(h.done() for h in self._handles)
+
+    def wait(self) -> None:
+        errors = []
+        for h in self._handles:  # wait for every group, even after one failed
+            try:
+                h.wait()
+            except cpu_adam.CPUAdamError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+class CPUAdamW(torch.optim.Optimizer):
+    """AdamW with decoupled weight decay and bias correction, as ``torch.optim.AdamW``.
+
+    Parameters must be contiguous fp32 CPU tensors; gradients fp32. Each param group may set its
+    own lr, betas, eps and weight_decay (read at every step, so LR schedulers work). Threads come
+    from :func:`zenflow.runtime.cpu_adam.set_num_threads`.
+
+    While a ``step_async()`` is in flight, parameters, gradients and state must not be modified;
+    ``step()``, ``step_async()``, ``state_dict()``, ``load_state_dict()`` and
+    ``zero_grad(set_to_none=False)`` first wait for it.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+    ):
+        if not 0.0 <= float(lr):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        for i, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        self._pending: CPUAdamWStepHandle | None = None
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group_index = len(self.param_groups) - 1
+        for i, p in enumerate(self.param_groups[-1]["params"]):
+            where = f"CPUAdamW: param {i} of param group {group_index}"
+            if p.device.type != "cpu":
+                raise ValueError(f"{where} is on {p.device}; CPUAdamW updates CPU tensors")
+            if p.dtype != torch.float32:
+                raise TypeError(f"{where} has dtype {p.dtype}; CPUAdamW needs fp32 parameters")
+            if not p.is_contiguous():
+                raise ValueError(f"{where} is not contiguous; CPUAdamW needs contiguous tensors")
+
+    def _finish_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.step_async().wait()
+        return loss
+
+    @torch.no_grad()
+    def step_async(self) -> CPUAdamWStepHandle:
+        """Submits the update of every parameter with a gradient and returns at once."""
+        self._finish_pending()
+        jobs = []
+        for group in self.param_groups:
+            job = self._group_job(group)
+            if job is not None:
+                jobs.append(job)
+        handles = []
+        try:
+            for args, kwargs, _ in jobs:
+                handles.append(cpu_adam.submit_adamw_step(*args, **kwargs))
+        except BaseException:
+            CPUAdamWStepHandle(handles).wait()
+            raise
+        # Steps count once their update is queued, so a rejected call leaves the state as it was.
+        for _, _, step_tensors in jobs:
+            for t in step_tensors:
+                t += 1
+        self._pending = CPUAdamWStepHandle(handles)
+        return self._pending
+
+    def _group_job(self, group: dict):
+        params, grads, exp_avgs, exp_avg_sqs, steps, step_tensors = [], [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise TypeError("CPUAdamW does not support sparse gradients")
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(int(state["step"].item()) + 1)
+            step_tensors.append(state["step"])
+        if not params:
+            return None
+        beta1, beta2 = group["betas"]
+        kwargs = dict(
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            steps=steps,
+        )
+        return (params, grads, exp_avgs, exp_avg_sqs), kwargs, step_tensors
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:  # zeroing in place would race with a running update
+            self._finish_pending()
+        super().zero_grad(set_to_none)
+
+    def state_dict(self):
+        self._finish_pending()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self._finish_pending()
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].contiguous()

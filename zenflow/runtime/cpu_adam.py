@@ -1,0 +1,427 @@
+"""Binding to the C++ CPU AdamW in csrc/ (ctypes; the GIL is released while C++ runs).
+
+The library is loaded on first use, not when ``zenflow`` is imported, so that resolving the
+``zenflow`` backend stays light.
+
+Math (per element, in fp32, the order of torch's single-tensor AdamW; scalars are formed in
+double and rounded to float once)::
+
+    g = grad * grad_scale                       # boundary pass: g = (acc + g_last) * grad_scale / n
+    p = p * (1 - lr * weight_decay)
+    m = lerp(m, g, 1 - beta1)
+    v = v * beta2 + (1 - beta2) * g * g
+    p = p + (-lr / (1 - beta1**step)) * m / (sqrt(v) / sqrt(1 - beta2**step) + eps)
+    out16 = round_to_nearest_even(p)            # optional bf16 / fp16 copy of the result
+
+Buffers: ``params``, ``exp_avgs``, ``exp_avg_sqs`` (and the boundary pass's ``accumulators``) are
+contiguous fp32 CPU tensors; gradients are fp32, bf16 or fp16; ``out16`` tensors are bf16 or fp16.
+All tensors at one list index have the same number of elements and must not overlap one another.
+The lists form one multi-tensor job, sliced over the module's thread pool; every element takes
+the same instruction sequence, so results are bitwise identical for any thread count (and for
+the AVX-512, AVX2 and scalar variants alike).
+
+Steps: ``steps`` is the step count after increment (bias correction ``1 - beta**steps``), either
+one int for every tensor, or a list with one entry per tensor: an int, or an int32/int64 CPU
+tensor of per-segment counts. A segment is a run of ``segment_len`` consecutive elements (in
+ZenFlow's column-major layout, one column of a weight); a tensor with per-segment steps has
+``ceil(numel / segment_len)`` of them. The kernel only reads steps; the caller increments them.
+``segment_len`` is one int, or a list with one entry per tensor.
+
+Asynchrony: ``submit_*`` returns a :class:`CPUAdamHandle` at once; the tensors must stay
+untouched until ``wait()`` returns. A failure inside a worker thread is raised by ``wait()`` as
+:class:`CPUAdamError`; the tensors' contents are then unspecified. Jobs run in submission order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import operator
+import os
+import threading
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "CPUAdamError",
+    "CPUAdamHandle",
+    "adamw_step",
+    "boundary_adamw_step",
+    "get_num_threads",
+    "isa",
+    "set_num_threads",
+    "submit_adamw_step",
+    "submit_boundary_adamw_step",
+    "threads_from_reserved_cores",
+]
+
+BUILD_HINT = "run `pip install -e .` (or `make install`) in the zenflow checkout to build csrc/"
+_ABI_VERSION = 2
+_GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_OUT_DTYPES = {torch.bfloat16: 1, torch.float16: 2}
+_ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512"}
+_WAIT_SLICE_MS = 100  # wait in slices so that Ctrl-C reaches Python during a long wait
+
+
+class CPUAdamError(RuntimeError):
+    """A CPU AdamW job failed inside a worker thread."""
+
+
+class _TensorWork(ctypes.Structure):
+    # Mirrors zf::TensorWork in csrc/adamw_kernels.h (checked against its size at load).
+    _fields_ = [
+        ("param", ctypes.c_void_p),
+        ("grad", ctypes.c_void_p),
+        ("grad_dtype", ctypes.c_int32),
+        ("exp_avg", ctypes.c_void_p),
+        ("exp_avg_sq", ctypes.c_void_p),
+        ("accumulator", ctypes.c_void_p),
+        ("out16", ctypes.c_void_p),
+        ("out_dtype", ctypes.c_int32),
+        ("numel", ctypes.c_int64),
+        ("step", ctypes.c_int64),
+        ("segment_steps", ctypes.c_void_p),
+        ("segment_len", ctypes.c_int64),
+    ]
+
+
+class _Hyper(ctypes.Structure):
+    # Mirrors zf::Hyper in csrc/adamw_kernels.h.
+    _fields_ = [
+        (name, ctypes.c_double)
+        for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")
+    ]
+
+
+_lib = None
+_lib_lock = threading.Lock()
+
+
+def _load():
+    global _lib
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        spec = importlib.util.find_spec("zenflow._cpu_adam")
+        if spec is None or spec.origin is None:
+            raise ImportError(f"zenflow's C++ CPU AdamW library is not built: {BUILD_HINT}")
+        try:
+            lib = ctypes.CDLL(spec.origin)
+        except OSError as e:
+            raise ImportError(f"cannot load {spec.origin} ({e}): {BUILD_HINT}") from e
+        c_int, c_i64, c_void_p = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+        if not hasattr(lib, "zf_submit") or lib.zf_abi_version() != _ABI_VERSION:
+            raise ImportError(f"{spec.origin} is from another zenflow version: {BUILD_HINT}")
+        sizes = (c_i64(), c_i64())
+        lib.zf_record_sizes(ctypes.byref(sizes[0]), ctypes.byref(sizes[1]))
+        if (sizes[0].value, sizes[1].value) != (
+            ctypes.sizeof(_TensorWork),
+            ctypes.sizeof(_Hyper),
+        ):
+            raise ImportError(f"{spec.origin} disagrees on record layouts: {BUILD_HINT}")
+        lib.zf_set_num_threads.argtypes = [c_int]
+        lib.zf_get_num_threads.restype = c_int
+        lib.zf_isa.restype = c_int
+        lib.zf_set_isa.argtypes = [c_int]
+        lib.zf_inject_failure.argtypes = [c_int]
+        lib.zf_submit.argtypes = [
+            ctypes.POINTER(_TensorWork),
+            c_i64,
+            ctypes.POINTER(_Hyper),
+            ctypes.POINTER(c_void_p),
+            ctypes.c_char_p,
+            c_i64,
+        ]
+        lib.zf_job_wait.argtypes = [c_void_p, c_i64]
+        lib.zf_job_done.argtypes = [c_void_p]
+        lib.zf_job_error.argtypes = [c_void_p, ctypes.c_char_p, c_i64]
+        lib.zf_job_error.restype = c_i64
+        lib.zf_job_release.argtypes = [c_void_p]
+        lib.zf_job_release.restype = None
+        lib.zf_set_num_threads(threads_from_reserved_cores(0.5))
+        _lib = lib
+        return lib
+
+
+def threads_from_reserved_cores(perc: float, cpu_count: int | None = None) -> int:
+    """Worker threads left when ``perc`` of the cores stay with the training thread
+    (ZenFlow's ``pt_reserved_cores_perc``): ``max(1, int(cpu_count * (1 - perc)))``."""
+    if not 0.0 <= perc <= 1.0:
+        raise ValueError(f"pt_reserved_cores_perc must be in [0, 1], got {perc}")
+    cpus = (os.cpu_count() or 1) if cpu_count is None else cpu_count
+    return max(1, int(cpus * (1.0 - perc)))
+
+
+def set_num_threads(n: int) -> None:
+    """Sets the worker thread count of the process-wide pool (after queued jobs finish)."""
+    n = operator.index(n)
+    if n < 1:
+        raise ValueError(f"thread count must be >= 1, got {n}")
+    _load().zf_set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    return _load().zf_get_num_threads()
+
+
+def isa() -> str:
+    """The instruction set new jobs use: "avx512", "avx2" or "scalar"."""
+    return _ISA_NAMES[_load().zf_isa()]
+
+
+def _force_isa_for_tests(name: str | None) -> None:
+    """Makes new jobs use one variant ("avx512", "avx2", "scalar"; None: the best available).
+    Raises ValueError if this CPU lacks it."""
+    code = 0 if name is None else {v: k for k, v in _ISA_NAMES.items()}[name]
+    if _load().zf_set_isa(code) != 0:
+        raise ValueError(f"this CPU does not support {name}")
+
+
+def _inject_failure_for_tests(jobs: int = 1) -> None:
+    """Makes each of the next ``jobs`` submitted non-empty jobs fail inside a worker thread, so
+    that its ``wait()`` raises CPUAdamError ("injected failure"). 0 cancels."""
+    _load().zf_inject_failure(operator.index(jobs))
+
+
+class CPUAdamHandle:
+    """A submitted job. Holds its tensors alive until the job has finished."""
+
+    def __init__(self, lib, ptr: int, keepalive: list):
+        self._lib = lib
+        self._ptr = ptr
+        self._keepalive = keepalive
+        self._error: str | None = None
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        with self._lock:
+            return self._ptr is None or bool(self._lib.zf_job_done(self._ptr))
+
+    def wait(self) -> None:
+        """Blocks (GIL released) until the job has finished; raises CPUAdamError if it failed,
+        at this and every later call."""
+        with self._lock:
+            if self._ptr is not None:
+                while not self._lib.zf_job_wait(self._ptr, _WAIT_SLICE_MS):
+                    pass
+                buf = ctypes.create_string_buffer(1024)
+                if self._lib.zf_job_error(self._ptr, buf, len(buf)):
+                    self._error = buf.value.decode(errors="replace")
+                self._lib.zf_job_release(self._ptr)
+                self._ptr = None
+                self._keepalive = None
+        if self._error is not None:
+            raise CPUAdamError(f"CPU AdamW worker failed: {self._error}")
+
+    def __del__(self):
+        # Freeing the tensors of a running job would let the workers write to freed memory.
+        if getattr(self, "_ptr", None) is not None:
+            try:
+                self.wait()
+            except CPUAdamError:
+                pass
+
+
+def _index_list(value, count: int, name: str) -> list:
+    if isinstance(value, Sequence):
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries for {count} tensors")
+        return list(value)
+    return [value] * count
+
+
+def _check_tensor(t, name: str, i: int, dtypes, numel: int | None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name}[{i}] is on {t.device}; CPU AdamW takes CPU tensors")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name}[{i}] has layout {t.layout}; CPU AdamW takes dense tensors")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name}[{i}] has dtype {t.dtype}; expected {allowed}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}[{i}] is not contiguous; pass a contiguous tensor (.contiguous())")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name}[{i}] has {t.numel()} elements but params[{i}] has {numel}")
+
+
+def _submit(
+    params,
+    grads,
+    accumulators,
+    exp_avgs,
+    exp_avg_sqs,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    steps,
+    segment_len,
+    grad_scale,
+    out16,
+) -> CPUAdamHandle:
+    lib = _load()
+    count = len(params)
+    lists = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    if grads is not None:
+        lists["grads" if accumulators is None else "last_grads"] = grads
+    if accumulators is not None:
+        lists["accumulators"] = accumulators
+    if out16 is not None:
+        lists["out16"] = out16
+    for name, tensors in lists.items():
+        if len(tensors) != count:
+            raise ValueError(f"{name} has {len(tensors)} tensors for {count} params")
+    for name, value in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {value}")
+    step_list = _index_list(steps, count, "steps")
+    seg_list = _index_list(segment_len, count, "segment_len")
+
+    f32 = (torch.float32,)
+    records = (_TensorWork * max(count, 1))()
+    keepalive = [params, grads, accumulators, exp_avgs, exp_avg_sqs, out16]
+    for i, p in enumerate(params):
+        _check_tensor(p, "params", i, f32, None)
+        numel = p.numel()
+        r = records[i]
+        r.param, r.numel = p.data_ptr(), numel
+        _check_tensor(exp_avgs[i], "exp_avgs", i, f32, numel)
+        _check_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, f32, numel)
+        r.exp_avg, r.exp_avg_sq = exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr()
+        if grads is not None and grads[i] is not None:
+            name = "grads" if accumulators is None else "last_grads"
+            _check_tensor(grads[i], name, i, tuple(_GRAD_DTYPES), numel)
+            r.grad, r.grad_dtype = grads[i].data_ptr(), _GRAD_DTYPES[grads[i].dtype]
+        elif accumulators is None:
+            raise ValueError(f"grads[{i}] is None")
+        if accumulators is not None:
+            _check_tensor(accumulators[i], "accumulators", i, f32, numel)
+            r.accumulator = accumulators[i].data_ptr()
+        if out16 is not None and out16[i] is not None:
+            _check_tensor(out16[i], "out16", i, tuple(_OUT_DTYPES), numel)
+            r.out16, r.out_dtype = out16[i].data_ptr(), _OUT_DTYPES[out16[i].dtype]
+        step = step_list[i]
+        if isinstance(step, torch.Tensor):
+            seg = seg_list[i]
+            if seg is None or operator.index(seg) < 1:
+                raise ValueError(f"steps[{i}] is per segment: segment_len must be an int >= 1")
+            seg = operator.index(seg)
+            segments = -(-numel // seg)
+            if step.device.type != "cpu" or step.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"steps[{i}] must be an int32/int64 CPU tensor")
+            if step.numel() != segments:
+                raise ValueError(
+                    f"steps[{i}] has {step.numel()} entries; params[{i}] has {segments} "
+                    f"segments of {seg} elements"
+                )
+            step = step.to(torch.int64).contiguous()
+            keepalive.append(step)
+            r.segment_steps, r.segment_len = step.data_ptr(), seg
+        else:
+            r.step = operator.index(step)
+            if r.step < 1 and numel > 0:
+                raise ValueError(f"steps[{i}] = {r.step}; steps count from 1 (after increment)")
+
+    hyper = _Hyper(float(lr), float(beta1), float(beta2), float(eps), float(weight_decay))
+    hyper.grad_scale = float(grad_scale)
+    handle = ctypes.c_void_p()
+    err = ctypes.create_string_buffer(512)
+    rc = lib.zf_submit(records, count, ctypes.byref(hyper), ctypes.byref(handle), err, len(err))
+    if rc != 0:
+        raise ValueError(f"CPU AdamW rejected the job: {err.value.decode(errors='replace')}")
+    return CPUAdamHandle(lib, handle.value, keepalive)
+
+
+def submit_adamw_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    steps: int | Sequence[int | torch.Tensor],
+    segment_len: int | Sequence[int | None] | None = None,
+    grad_scale: float = 1.0,
+    out16: Sequence[torch.Tensor | None] | None = None,
+) -> CPUAdamHandle:
+    """Queues one AdamW update of every tensor (gradient ``grads[i] * grad_scale``) and returns
+    at once. See the module docstring for buffers, steps and segments."""
+    return _submit(
+        params,
+        grads,
+        None,
+        exp_avgs,
+        exp_avg_sqs,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        steps=steps,
+        segment_len=segment_len,
+        grad_scale=grad_scale,
+        out16=out16,
+    )
+
+
+def adamw_step(*args, **kwargs) -> None:
+    """Synchronous :func:`submit_adamw_step` (same arguments)."""
+    submit_adamw_step(*args, **kwargs).wait()
+
+
+def submit_boundary_adamw_step(
+    params: Sequence[torch.Tensor],
+    accumulators: Sequence[torch.Tensor],
+    last_grads: Sequence[torch.Tensor | None] | None,
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    n: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    steps: int | Sequence[int | torch.Tensor],
+    segment_len: int | Sequence[int | None] | None = None,
+    grad_scale: float = 1.0,
+    out16: Sequence[torch.Tensor | None] | None = None,
+) -> CPUAdamHandle:
+    """Queues ZenFlow's update-boundary pass, one read and write of each element:
+    ``acc += last_grad; AdamW step with gradient acc * grad_scale / n; acc = 0; out16 = p``.
+    ``last_grads`` (or an entry of it) may be None when the accumulator already holds the sum.
+    Bitwise equal to ``acc += last_grad`` followed by ``adamw_step(..., grad_scale=grad_scale / n)``.
+    """
+    n = operator.index(n)
+    if n < 1:
+        raise ValueError(f"n (steps accumulated) must be >= 1, got {n}")
+    return _submit(
+        params,
+        last_grads,
+        accumulators,
+        exp_avgs,
+        exp_avg_sqs,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        steps=steps,
+        segment_len=segment_len,
+        grad_scale=grad_scale / n,
+        out16=out16,
+    )
+
+
+def boundary_adamw_step(*args, **kwargs) -> None:
+    """Synchronous :func:`submit_boundary_adamw_step` (same arguments)."""
+    submit_boundary_adamw_step(*args, **kwargs).wait()
