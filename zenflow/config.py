@@ -1055,3 +1055,9 @@ def _format_errors(error: ValidationError, path: str) -> str:
                 message += f", got {_describe(problem['input'])}"
         lines.append(f"{'.'.join(keys) or 'config'}: {message}")
     return "\n".join(dict.fromkeys(lines))
+
+
+def zenflow_block(**fields: Any) -> ZenFlowBlock:
+    """Validate zenflow settings given as keyword arguments (the Python API's path to the same
+    rules and messages as the JSON block)."""
+    return _validate(ZenFlowBlock, fields)

@@ -1,0 +1,52 @@
+"""The custom ops zenflow's passes insert into backward graphs: schemas and fake kernels.
+
+Each op names a weight by its registry slot (an int), so graphs stay free of Python objects.
+``stage_columns`` and ``record_importance`` exist for their side effect (handing data to the
+runtime), so they are registered with ``torch.fx.node.has_side_effect``: without it FX and
+Inductor would delete them as dead code.
+"""
+
+import torch
+
+from zenflow.runtime import registry
+
+
+@torch.library.custom_op("zenflow::column_order", mutates_args=())
+def column_order(slot: int, columns: int, device: torch.device) -> torch.Tensor:
+    """The weight's column order: selected columns first, then the unselected ones.
+
+    Returned as a copy because a compiled graph may reuse the storage of an op's output once it
+    is dead, and this tensor belongs to the runtime.
+    """
+    return registry.owner(slot).column_order().to(device=device, copy=True)
+
+
+@column_order.register_fake
+def _(slot: int, columns: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(columns, dtype=torch.int64, device=device)
+
+
+@torch.library.custom_op("zenflow::stage_columns", mutates_args=())
+def stage_columns(rows: torch.Tensor, slot: int) -> None:
+    """Hand the weight's gradient, as ``[columns, out]`` rows in column order, to the runtime."""
+    registry.owner(slot).stage(rows)
+
+
+@stage_columns.register_fake
+def _(rows: torch.Tensor, slot: int) -> None:
+    return None
+
+
+@torch.library.custom_op("zenflow::record_importance", mutates_args=())
+def record_importance(scores: torch.Tensor, slot: int) -> None:
+    """Hand the per-column squared L2 norms (in column order) to the runtime."""
+    registry.owner(slot).record_importance(scores)
+
+
+@record_importance.register_fake
+def _(scores: torch.Tensor, slot: int) -> None:
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.zenflow.stage_columns.default)
+torch.fx.node.has_side_effect(torch.ops.zenflow.record_importance.default)

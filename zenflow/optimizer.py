@@ -1,0 +1,394 @@
+"""``ZenFlowAdamW``: the optimizer a user creates next to ``torch.compile(model, backend="zenflow")``.
+
+Per step (after ``full_warm_up_rounds``), for every weight: the ``k`` most important columns
+take an fp32 AdamW step on the device (the compiled optimizer graph); the other columns'
+gradients go to the host and are summed; every ``update_interval`` steps the C++ CPU AdamW
+updates those columns from the window's mean gradient, asynchronously with ``overlap_step``.
+1-D parameters take a device AdamW step every step. The exact schedule is ``zenflow.reference``'s.
+
+Gradients of weights arrive through the ops the backend compiles into the backward graph (then
+``.grad`` stays None), or through ``.grad`` on a model that is not compiled. Either way they are
+staged and committed only after the overflow check and the clip coefficient are known.
+"""
+
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from zenflow.columns import has_columns, select_top_columns, topk_count
+from zenflow.config import resolve_select_interval, zenflow_block
+from zenflow.notices import notice
+from zenflow.runtime import cpu_adam
+from zenflow.runtime.selective_step import compiled_selective_adamw
+from zenflow.runtime.split_weight import SplitWeight
+
+
+@dataclass
+class _Vector:
+    """A 1-D parameter: fp32 state on its device, as one row with one step count."""
+
+    param: torch.Tensor
+    group_index: int
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    steps: torch.Tensor
+
+    @classmethod
+    def of(cls, param: torch.Tensor, group_index: int) -> "_Vector":
+        master = param.detach().float().reshape(1, -1).clone()
+        steps = torch.zeros(1, dtype=torch.int64, device=param.device)
+        return cls(
+            param, group_index, master, torch.zeros_like(master), torch.zeros_like(master), steps
+        )
+
+
+@dataclass
+class _PendingUpdate:
+    """A CPU update running in the background (overlap_step) until the next window closes."""
+
+    handle: cpu_adam.CPUAdamHandle
+    weights: list[SplitWeight]
+
+
+class ZenFlowAdamW(torch.optim.Optimizer):
+    """AdamW with ZenFlow's importance-aware split between device and host.
+
+    Args beyond AdamW's are the fields of DeepSpeed's ``zero_optimization.zenflow`` block (same
+    meaning and validation; an int ``select_interval`` means every that many steps), plus
+    ``max_grad_norm`` (clip by global norm each step) and ``step_backend``: "inductor" compiles
+    the device update, "eager" runs it as plain PyTorch (for debugging).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        topk_ratio: float = 0.1,
+        update_interval: int = 4,
+        select_interval: int | str = "auto",
+        select_strategy: str = "auto",
+        steps_per_epoch: int | None = None,
+        overlap_step: bool = False,
+        offload: bool = False,
+        full_warm_up_rounds: int = 0,
+        pt_reserved_cores_perc: float = 0.5,
+        max_grad_norm: float | None = None,
+        step_backend: str = "inductor",
+    ):
+        if not 0.0 <= lr:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        settings = zenflow_block(
+            topk_ratio=topk_ratio,
+            update_interval=update_interval,
+            select_interval=select_interval,
+            select_strategy=select_strategy,
+            steps_per_epoch=steps_per_epoch,
+            overlap_step=overlap_step,
+            offload=offload,
+            full_warm_up_rounds=full_warm_up_rounds,
+            pt_reserved_cores_perc=float(pt_reserved_cores_perc),
+        )
+        if settings.update_interval == "auto":
+            raise ValueError(
+                "update_interval='auto' is not supported by ZenFlowAdamW yet; pass an int"
+            )
+        if offload:
+            notice("zenflow.offload is not used yet: selected columns' state stays on the device")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        self.topk_ratio = settings.topk_ratio
+        self.update_interval = settings.update_interval
+        self.select_interval = resolve_select_interval(
+            settings.select_strategy,
+            settings.select_interval,
+            settings.update_interval,
+            settings.steps_per_epoch,
+        )
+        self.overlap_step = settings.overlap_step
+        self.full_warm_up_rounds = settings.full_warm_up_rounds
+        self.max_grad_norm = max_grad_norm
+        self._device_step = compiled_selective_adamw(step_backend)
+        cpu_adam.set_num_threads(
+            cpu_adam.threads_from_reserved_cores(settings.pt_reserved_cores_perc)
+        )
+
+        self.weights: list[SplitWeight] = []
+        self.vectors: list[_Vector] = []
+        for group_index, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                if has_columns(p):
+                    self.weights.append(self._split(p, group_index))
+                else:
+                    self.vectors.append(_Vector.of(p, group_index))
+
+        self.committed_steps = 0
+        self.window_steps = 0
+        self._pending: list[_PendingUpdate] = []
+        self._clip_next_step: float | None = None
+        self._norm_sq: float | None = None
+        self._counters = dict(
+            skipped_steps=0,
+            reselections=0,
+            cpu_updates=0,
+            d2h_bytes=0,
+            h2d_bytes=0,
+            optimizer_wait_s=0.0,
+            cpu_adam_s=0.0,
+        )
+
+    @staticmethod
+    def _split(p: torch.Tensor, group_index: int) -> SplitWeight:
+        if not p.is_contiguous():
+            raise ValueError(
+                f"ZenFlowAdamW needs contiguous weights; got one of shape {tuple(p.shape)} "
+                f"with strides {p.stride()}: make it contiguous before creating the optimizer"
+            )
+        return SplitWeight(p, group_index, pin_memory=True)
+
+    # Gradients.
+
+    def _collect_eager_grads(self) -> None:
+        for w in self.weights:
+            if w.param.grad is not None:
+                w.stage_grad(w.param.grad)
+                w.param.grad = None
+
+    def _staged_norm_sq(self) -> float:
+        """Squared global norm of this step's gradient (non-finite on overflow)."""
+        if self._norm_sq is None:
+            self._collect_eager_grads()
+            total = torch.zeros((), dtype=torch.float64)
+            for w in self.weights:
+                if w.has_staged:
+                    total += w.staged_scores().double().sum()
+            for v in self.vectors:
+                if v.param.grad is not None:
+                    total += v.param.grad.double().square().sum().cpu()
+            self._norm_sq = total.item()
+        return self._norm_sq
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip this step's gradients to ``max_norm`` by their global norm, as
+        ``torch.nn.utils.clip_grad_norm_`` would (which cannot: ``.grad`` of owned weights is
+        None). Returns the norm before clipping."""
+        self._clip_next_step = max_norm
+        return torch.tensor(math.sqrt(self._staged_norm_sq()))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for w in self.weights:
+            w.discard_staged()
+        self._norm_sq = None
+
+    # The step.
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step; returns the closure's loss. A step whose gradient is not finite
+        is skipped (nothing committed) and counted in ``stats()["skipped_steps"]``."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        norm_sq = self._staged_norm_sq()
+        max_norm = self._clip_next_step or self.max_grad_norm
+        self._clip_next_step = None
+        self._norm_sq = None
+        weights = [w for w in self.weights if w.has_staged]
+        vectors = [v for v in self.vectors if v.param.grad is not None]
+        if not math.isfinite(norm_sq):
+            self._counters["skipped_steps"] += 1
+            for w in weights:
+                w.discard_staged()
+            return loss
+        coefficient = 1.0
+        if max_norm is not None:
+            coefficient = min(1.0, max_norm / (math.sqrt(norm_sq) + 1e-6))
+
+        warm_up = self.committed_steps < self.full_warm_up_rounds
+        s = self.committed_steps - self.full_warm_up_rounds
+        if not warm_up and s % self.select_interval == 0:
+            self._reselect(weights)
+        closes_window = not warm_up and (s + 1) % self.update_interval == 0
+        self._device_commit(weights, vectors, coefficient)
+        if warm_up:
+            self._full_host_update(weights, coefficient)
+        else:
+            self._accumulate(weights, coefficient, fuse_last=closes_window)
+        for w in weights:
+            self._counters["d2h_bytes"] += w.staged_bytes
+            w.discard_staged()
+        self.committed_steps += 1
+        if not warm_up:
+            self.window_steps += 1
+            if closes_window:
+                self._close_window(select_boundary=(s + 1) % self.select_interval == 0)
+        return loss
+
+    def _hyper(self, group_index: int) -> dict:
+        group = self.param_groups[group_index]
+        beta1, beta2 = group["betas"]
+        return dict(
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+        )
+
+    def _reselect(self, weights: list[SplitWeight]) -> None:
+        for w in weights:
+            in_order = w.staged_scores()
+            scores = torch.empty_like(in_order)
+            scores[w.order.cpu()] = in_order
+            k = topk_count(self.topk_ratio, w.columns)
+            w.reselect(select_top_columns(scores, k))
+            w.in_window = False
+            moved = 2 * k * w.out * 4 * 4
+            self._counters["d2h_bytes"] += moved // 2
+            self._counters["h2d_bytes"] += moved // 2
+        self._counters["reselections"] += 1
+
+    def _device_commit(self, weights, vectors, coefficient: float) -> None:
+        """The selected rows and the 1-D parameters: one compiled AdamW call per param group."""
+        for group_index in range(len(self.param_groups)):
+            hyper = self._hyper(group_index)
+            rows = [w for w in weights if w.group_index == group_index and w.k > 0]
+            vecs = [v for v in vectors if v.group_index == group_index]
+            if not rows and not vecs:
+                continue
+            device = (rows[0].param if rows else vecs[0].param).device
+            self._device_step(
+                [w.device_master for w in rows] + [v.master for v in vecs],
+                [w.device_exp_avg for w in rows] + [v.exp_avg for v in vecs],
+                [w.device_exp_avg_sq for w in rows] + [v.exp_avg_sq for v in vecs],
+                [w.device_steps for w in rows] + [v.steps for v in vecs],
+                [w.device_stage for w in rows]
+                + [v.param.grad.float().reshape(1, -1) for v in vecs],
+                torch.tensor(hyper["lr"], dtype=torch.float64, device=device),
+                torch.tensor(coefficient, dtype=torch.float64, device=device),
+                hyper["beta1"],
+                hyper["beta2"],
+                hyper["eps"],
+                hyper["weight_decay"],
+            )
+            for w in rows:
+                w.write_selected()
+            for v in vecs:
+                v.param.copy_(v.master.view_as(v.param))
+
+    def _full_host_update(self, weights: list[SplitWeight], coefficient: float) -> None:
+        """Warm-up: every column of every weight takes a CPU AdamW step now (k is 0)."""
+        for group_index, group_weights in self._by_group(weights):
+            for w in group_weights:
+                w.host_steps += 1
+            self._timed_wait(
+                cpu_adam.submit_adamw_step(
+                    [w.host_master for w in group_weights],
+                    [w.host_stage for w in group_weights],
+                    [w.host_exp_avg for w in group_weights],
+                    [w.host_exp_avg_sq for w in group_weights],
+                    steps=[w.host_steps for w in group_weights],
+                    segment_len=[w.out for w in group_weights],
+                    grad_scale=coefficient,
+                    **self._hyper(group_index),
+                ),
+                cpu=True,
+            )
+            for w in group_weights:
+                self._counters["h2d_bytes"] += w.write_unselected(w.host_master)
+            self._counters["cpu_updates"] += 1
+
+    def _by_group(self, weights: list[SplitWeight]):
+        for group_index in range(len(self.param_groups)):
+            members = [w for w in weights if w.group_index == group_index]
+            if members:
+                yield group_index, members
+
+    def _accumulate(self, weights: list[SplitWeight], coefficient: float, fuse_last: bool) -> None:
+        """Add this step's unselected rows to the window's sum. At a window's last step with no
+        clipping the CPU update folds the addition into its own pass instead."""
+        for w in weights:
+            if w.accumulator is None:
+                w.accumulator = torch.zeros(w.columns - w.k, w.out)
+            w.in_window = True
+            if fuse_last and coefficient == 1.0:
+                w.last_grad = w.host_stage
+            else:
+                w.accumulator.add_(w.host_stage, alpha=coefficient)
+
+    def _close_window(self, select_boundary: bool, force_sync: bool = False) -> None:
+        """The CPU update of unselected columns from the window's mean gradient."""
+        self._finish_pending()
+        weights = [w for w in self.weights if w.in_window]
+        background = self.overlap_step and not (select_boundary or force_sync)
+        for group_index, group_weights in self._by_group(weights):
+            for w in group_weights:
+                w.host_steps[w.k :] += 1
+            handle = cpu_adam.submit_boundary_adamw_step(
+                [w.host_master[w.k :] for w in group_weights],
+                [w.accumulator for w in group_weights],
+                [w.last_grad for w in group_weights],
+                [w.host_exp_avg[w.k :] for w in group_weights],
+                [w.host_exp_avg_sq[w.k :] for w in group_weights],
+                n=self.window_steps,
+                steps=[w.host_steps[w.k :] for w in group_weights],
+                segment_len=[w.out for w in group_weights],
+                **self._hyper(group_index),
+            )
+            pending = _PendingUpdate(handle, group_weights)
+            if background:
+                self._pending.append(pending)
+            else:
+                self._apply(pending)
+            self._counters["cpu_updates"] += 1
+        for w in weights:
+            w.in_window = False
+            w.last_grad = None
+        self.window_steps = 0
+
+    def _apply(self, pending: _PendingUpdate) -> None:
+        self._timed_wait(pending.handle, cpu=not self.overlap_step)
+        for w in pending.weights:
+            self._counters["h2d_bytes"] += w.write_unselected(w.host_master[w.k :])
+
+    def _finish_pending(self) -> None:
+        for pending in self._pending:
+            self._apply(pending)
+        self._pending = []
+
+    def _timed_wait(self, handle: cpu_adam.CPUAdamHandle, cpu: bool) -> None:
+        started = time.perf_counter()
+        handle.wait()
+        elapsed = time.perf_counter() - started
+        self._counters["optimizer_wait_s"] += elapsed
+        if cpu:
+            self._counters["cpu_adam_s"] += elapsed
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Apply everything pending: an overlapped CPU update and the open window's sum."""
+        if self.window_steps:
+            self._close_window(select_boundary=False, force_sync=True)
+        self._finish_pending()
+
+    def stats(self) -> dict:
+        selected = sum(w.k * w.out for w in self.weights)
+        total = sum(w.columns * w.out for w in self.weights)
+        return dict(
+            steps=self.committed_steps,
+            selected_fraction=selected / total if total else 0.0,
+            **self._counters,
+        )

@@ -1,0 +1,60 @@
+"""Pass 2: hand each owned weight's gradient to the runtime as rows in column order.
+
+For a weight gradient G of shape [out, *rest] (viewed as [out, columns]), the runtime's column
+order puts the selected columns first. The pass gathers G's columns in that order as rows of a
+``[columns, out]`` matrix (each column contiguous, the layout of the host buffers) and stages
+them; the order is data fetched at run time, so a reselection needs no recompile. The weight's
+gradient output becomes None: no full-size ``.grad`` is ever stored::
+
+    # before                                # after
+    mm_2 = aten.mm(t_6, primals_3)          mm_2 = aten.mm(t_6, primals_3)
+                                            g_t = aten.permute(mm_2, [1, 0])
+                                            order = zenflow.column_order(slot, columns, device)
+                                            rows = aten.index(g_t, [order])
+                                            zenflow.stage_columns(rows, slot)
+    return (mm_2, ...)                      return (None, ...)
+"""
+
+import math
+
+import torch
+
+import zenflow.ops  # noqa: F401  (registers torch.ops.zenflow)
+from zenflow.passes.graph_edit import call, output_values, set_output_values
+from zenflow.passes.locate_grads import GradSite
+
+aten = torch.ops.aten
+
+
+def _is_transpose(node: torch.fx.Node) -> bool:
+    return node.target is aten.t.default or (
+        node.target is aten.permute.default and list(node.args[1]) == [1, 0]
+    )
+
+
+def _transposed(graph: torch.fx.Graph, matrix: torch.fx.Node) -> torch.fx.Node:
+    """``matrix.T``, reusing the graph's own transpose when the gradient is one."""
+    if _is_transpose(matrix):
+        return matrix.args[0]
+    return call(graph, aten.permute.default, matrix, [1, 0])
+
+
+def split_columns(graph: torch.fx.Graph, sites: list[GradSite]) -> None:
+    outputs = output_values(graph)
+    for site in sites:
+        grad = site.grad
+        value = grad.meta["val"]
+        out, columns = value.shape[0], math.prod(value.shape[1:])
+        with graph.inserting_before(graph.output_node()):
+            if value.dim() > 2:
+                if not value.is_contiguous():
+                    grad = call(graph, aten.clone.default, grad)
+                grad = call(graph, aten.view.default, grad, [out, columns])
+            transposed = _transposed(graph, grad)
+            order = call(
+                graph, torch.ops.zenflow.column_order.default, site.slot, columns, value.device
+            )
+            rows = call(graph, aten.index.Tensor, transposed, [order])
+            call(graph, torch.ops.zenflow.stage_columns.default, rows, site.slot)
+        outputs[site.output_index] = None
+    set_output_values(graph, outputs)
