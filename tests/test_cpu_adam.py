@@ -2,8 +2,11 @@
 copy-out, the fused ZenFlow boundary pass, determinism, asynchrony and error paths."""
 
 import copy
+import gc
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -313,6 +316,24 @@ def test_async_equals_sync_and_runs_in_order():
             assert torch.equal(x, y)
 
 
+def test_gil_is_released_while_cpp_runs():
+    cpu_adam._force_isa_for_tests("scalar")  # the slowest variant: a long call
+    cpu_adam.set_num_threads(1)
+    args = _job(45, [2**22], torch.float32, None, False)
+    in_call = threading.Event()
+
+    def update():
+        in_call.set()
+        _run_job(args, False)
+
+    worker = threading.Thread(target=update)
+    worker.start()
+    in_call.wait()
+    time.sleep(0.002)  # Python code runs here only if the call released the GIL
+    assert worker.is_alive()
+    worker.join()
+
+
 def test_optimizer_step_async_equals_step():
     init = torch.randn(3000)
     ps = [init.clone().requires_grad_() for _ in range(2)]
@@ -383,6 +404,12 @@ def test_worker_failure_surfaces_at_wait():
     cpu_adam._inject_failure_for_tests(1)
     with pytest.raises(cpu_adam.CPUAdamError):
         opt.step()
+
+    cpu_adam._inject_failure_for_tests(1)
+    handle = cpu_adam.submit_adamw_step(**args)
+    with pytest.warns(RuntimeWarning, match="dropped without wait"):
+        del handle
+        gc.collect()
 
 
 def _call(**overrides):

@@ -118,6 +118,9 @@ class CPUAdamW(torch.optim.Optimizer):
         return self._pending
 
     def _group_job(self, group: dict):
+        for option in ("amsgrad", "maximize"):  # present in state dicts from torch's AdamW
+            if group.get(option):
+                raise ValueError(f"CPUAdamW does not implement {option}=True")
         params, grads, exp_avgs, exp_avg_sqs, steps, step_tensors = [], [], [], [], [], []
         for p in group["params"]:
             if p.grad is None:

@@ -39,6 +39,7 @@ import importlib.util
 import operator
 import os
 import threading
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -219,8 +220,8 @@ class CPUAdamHandle:
         if getattr(self, "_ptr", None) is not None:
             try:
                 self.wait()
-            except CPUAdamError:
-                pass
+            except CPUAdamError as e:  # nobody waited: say so rather than lose the failure
+                warnings.warn(f"{e} (handle dropped without wait())", RuntimeWarning, stacklevel=1)
 
 
 def _index_list(value, count: int, name: str) -> list:
