@@ -3,6 +3,7 @@ copy-out, the fused ZenFlow boundary pass, determinism, asynchrony and error pat
 
 import copy
 import gc
+import multiprocessing
 import subprocess
 import sys
 import threading
@@ -332,6 +333,28 @@ def test_gil_is_released_while_cpp_runs():
     time.sleep(0.002)  # Python code runs here only if the call released the GIL
     assert worker.is_alive()
     worker.join()
+
+
+def _update_in_child(queue):
+    args = _job(46, [100_000], torch.float32, None, False)
+    _run_job(args, False)
+    queue.put(args["params"][0].sum().item())
+
+
+def test_forked_child_gets_a_fresh_pool():
+    _run_job(_job(46, [10], torch.float32, None, False), False)  # the parent's pool exists
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_update_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child hung in CPU AdamW")
+    assert child.exitcode == 0
+    expected = _job(46, [100_000], torch.float32, None, False)
+    _run_job(expected, False)
+    assert queue.get(timeout=5) == expected["params"][0].sum().item()
 
 
 def test_optimizer_step_async_equals_step():
