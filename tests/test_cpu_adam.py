@@ -336,6 +336,7 @@ def test_gil_is_released_while_cpp_runs():
 
 
 def _update_in_child(queue):
+    torch.set_num_threads(1)  # libgomp, which torch's own ops use, is not fork-safe
     args = _job(46, [100_000], torch.float32, None, False)
     _run_job(args, False)
     queue.put(args["params"][0].sum().item())
