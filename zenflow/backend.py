@@ -9,16 +9,12 @@ nothing from csrc is imported when the backend is looked up. Parameters no ZenFl
 owns compile exactly as under plain Inductor.
 """
 
+import copy
 from collections.abc import Callable
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 _INNER = ("inductor", "eager")
-
-# Weights compiled before any ZenFlow optimizer owned them: their gradients reach the optimizer
-# through .grad (the eager path), and it says so.
-compiled_unowned = WeakIdKeyDictionary()
 
 
 def rewrite_backward(gm: torch.fx.GraphModule, slot_of_input: dict[int, int]) -> None:
@@ -32,42 +28,17 @@ def rewrite_backward(gm: torch.fx.GraphModule, slot_of_input: dict[int, int]) ->
         return
     split_columns(gm.graph, sites)
     insert_importance(gm.graph)
+    # The dropped gradients' last transposes are now dead; our ops survive as side effects.
+    gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
 
 
-def _owned_inputs(example_inputs) -> dict[int, int]:
-    from zenflow.runtime import registry
-
-    slots = {}
-    for index, value in enumerate(example_inputs):
-        if isinstance(value, torch.nn.Parameter) and value.requires_grad and value.dim() >= 2:
-            slot = registry.slot_of(value)
-            if slot is None:
-                compiled_unowned[value] = True
-            else:
-                slots[index] = slot
-    return slots
+def _is_weight(value) -> bool:
+    return isinstance(value, torch.nn.Parameter) and value.requires_grad and value.dim() >= 2
 
 
-def zenflow_backend(
-    gm: torch.fx.GraphModule,
-    example_inputs,
-    options: dict | None = None,
-):
-    """Options: ``inner`` ("inductor" or "eager"); ``on_backward`` (a callable receiving each
-    rewritten backward GraphModule, for inspection and golden tests)."""
-    options = dict(options or {})
-    inner = options.pop("inner", "inductor")
-    on_backward: Callable | None = options.pop("on_backward", None)
-    if inner not in _INNER:
-        raise ValueError(f"zenflow backend option inner={inner!r}; use one of {_INNER}")
-    if options:
-        raise ValueError(
-            f"unknown zenflow backend options {sorted(options)}; known: inner, on_backward"
-        )
-    slot_of_input = _owned_inputs(example_inputs)
-
+def _compile(gm, example_inputs, slot_of_input: dict[int, int], inner: str, on_backward):
     def rewrite(bw_gm: torch.fx.GraphModule) -> None:
         rewrite_backward(bw_gm, slot_of_input)
         if on_backward is not None:
@@ -81,8 +52,9 @@ def zenflow_backend(
                 rewrite(graph_module)
             return compile_fx_inner(graph_module, inputs, *args, **kwargs)
 
-        # AOTAutograd's cache keys on the graph before our passes: a hit would skip them.
-        with torch._functorch.config.patch(enable_autograd_cache=not slot_of_input):
+        # AOTAutograd's cache keys on the graph before our passes: a hit would skip them (or
+        # bring back another run's slots), so it is neither read nor written here.
+        with torch._functorch.config.patch(enable_autograd_cache=False):
             return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
@@ -101,3 +73,62 @@ def zenflow_backend(
         partition_fn=min_cut_rematerialization_partition,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)
+
+
+class _CompiledPerOwnership:
+    """One compiled variant per assignment of weights to ZenFlow optimizers.
+
+    The rewritten graph names each weight's optimizer by slot, but Dynamo's guards do not see
+    ownership: another model of the same class, or an optimizer created after the first call,
+    reaches the same compiled code. So the slots are checked on every call (one dictionary
+    lookup per weight) and a mismatch compiles a new variant, within the Dynamo tracing context
+    of the first compile so that symbolic shapes stay symbolic.
+    """
+
+    def __init__(self, gm, example_inputs, weight_inputs: list[int], inner, on_backward):
+        self.template = copy.deepcopy(gm)
+        self.example_inputs = example_inputs
+        self.weight_inputs = weight_inputs
+        self.inner = inner
+        self.on_backward = on_backward
+        self.tracing_context = torch._guards.TracingContext.try_get()
+        key = self._key(example_inputs)
+        self.variants = {key: self._compile_variant(gm, key)}
+
+    def _key(self, args) -> tuple:
+        from zenflow.runtime import registry
+
+        return tuple(registry.slot_of(args[i]) for i in self.weight_inputs)
+
+    def _compile_variant(self, gm, key: tuple):
+        slots = {
+            i: slot for i, slot in zip(self.weight_inputs, key, strict=True) if slot is not None
+        }
+        return _compile(gm, self.example_inputs, slots, self.inner, self.on_backward)
+
+    def __call__(self, *args):
+        key = self._key(args)
+        variant = self.variants.get(key)
+        if variant is None:
+            with torch._guards.tracing(self.tracing_context):
+                variant = self._compile_variant(copy.deepcopy(self.template), key)
+            self.variants[key] = variant
+        return variant(*args)
+
+
+def zenflow_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
+    """Options: ``inner`` ("inductor" or "eager"); ``on_backward`` (a callable receiving each
+    rewritten backward GraphModule, for inspection and golden tests)."""
+    options = dict(options or {})
+    inner = options.pop("inner", "inductor")
+    on_backward: Callable | None = options.pop("on_backward", None)
+    if inner not in _INNER:
+        raise ValueError(f"zenflow backend option inner={inner!r}; use one of {_INNER}")
+    if options:
+        raise ValueError(
+            f"unknown zenflow backend options {sorted(options)}; known: inner, on_backward"
+        )
+    weight_inputs = [i for i, value in enumerate(example_inputs) if _is_weight(value)]
+    if not weight_inputs:
+        return _compile(gm, example_inputs, {}, inner, on_backward)
+    return _CompiledPerOwnership(gm, example_inputs, weight_inputs, inner, on_backward)

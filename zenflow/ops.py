@@ -12,18 +12,20 @@ from zenflow.runtime import registry
 
 
 @torch.library.custom_op("zenflow::column_order", mutates_args=())
-def column_order(slot: int, columns: int, device: torch.device) -> torch.Tensor:
+def column_order(columns_by_out: torch.Tensor, slot: int) -> torch.Tensor:
     """The weight's column order: selected columns first, then the unselected ones.
 
-    Returned as a copy because a compiled graph may reuse the storage of an op's output once it
-    is dead, and this tensor belongs to the runtime.
+    ``columns_by_out`` is the transposed gradient; only its first size and its device are used,
+    so that the number of columns may be symbolic. The order is returned as a copy because a
+    compiled graph may reuse the storage of an op's output once it is dead, and this tensor
+    belongs to the runtime.
     """
-    return registry.owner(slot).column_order().to(device=device, copy=True)
+    return registry.owner(slot).column_order().to(device=columns_by_out.device, copy=True)
 
 
 @column_order.register_fake
-def _(slot: int, columns: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(columns, dtype=torch.int64, device=device)
+def _(columns_by_out: torch.Tensor, slot: int) -> torch.Tensor:
+    return columns_by_out.new_empty(columns_by_out.shape[0], dtype=torch.int64)
 
 
 @torch.library.custom_op("zenflow::stage_columns", mutates_args=())

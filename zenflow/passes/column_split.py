@@ -9,13 +9,11 @@ gradient output becomes None: no full-size ``.grad`` is ever stored::
     # before                                # after
     mm_2 = aten.mm(t_6, primals_3)          mm_2 = aten.mm(t_6, primals_3)
                                             g_t = aten.permute(mm_2, [1, 0])
-                                            order = zenflow.column_order(slot, columns, device)
+                                            order = zenflow.column_order(g_t, slot)
                                             rows = aten.index(g_t, [order])
                                             zenflow.stage_columns(rows, slot)
     return (mm_2, ...)                      return (None, ...)
 """
-
-import math
 
 import torch
 
@@ -44,16 +42,16 @@ def split_columns(graph: torch.fx.Graph, sites: list[GradSite]) -> None:
     for site in sites:
         grad = site.grad
         value = grad.meta["val"]
-        out, columns = value.shape[0], math.prod(value.shape[1:])
         with graph.inserting_before(graph.output_node()):
             if value.dim() > 2:
                 if not value.is_contiguous():
                     grad = call(graph, aten.clone.default, grad)
-                grad = call(graph, aten.view.default, grad, [out, columns])
+                out = value.shape[0]
+                if isinstance(out, torch.SymInt):
+                    out = call(graph, aten.sym_size.int, grad, 0)
+                grad = call(graph, aten.view.default, grad, [out, -1])
             transposed = _transposed(graph, grad)
-            order = call(
-                graph, torch.ops.zenflow.column_order.default, site.slot, columns, value.device
-            )
+            order = call(graph, torch.ops.zenflow.column_order.default, transposed, site.slot)
             rows = call(graph, aten.index.Tensor, transposed, [order])
             call(graph, torch.ops.zenflow.stage_columns.default, rows, site.slot)
         outputs[site.output_index] = None

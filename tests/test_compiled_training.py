@@ -1,0 +1,168 @@
+"""Compiled training (backend "zenflow") against the eager oracle, step for step."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from tests.models import batches, build, loss_of
+from zenflow.optimizer import ZenFlowAdamW
+from zenflow.reference import ReferenceZenFlowAdamW
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+SCHEDULE = dict(topk_ratio=0.25, update_interval=2, select_interval=4)
+
+
+def train(name, model, opt, data, micro_batches=1):
+    for inputs, targets in data:
+        opt.zero_grad()
+        for part in zip(inputs.chunk(micro_batches), targets.chunk(micro_batches), strict=True):
+            (loss_of(name, model, *part) / micro_batches).backward()
+        opt.step()
+
+
+def compiled_vs_reference(name, inner, steps=12, micro_batches=1, **settings):
+    hyper = dict(lr=1e-2, weight_decay=0.01, **SCHEDULE)
+    hyper.update(settings)
+    data = batches(name, steps)
+    oracle_model = build(name)
+    oracle = ReferenceZenFlowAdamW(oracle_model.parameters(), **hyper)
+    model = build(name)
+    opt = ZenFlowAdamW(model.parameters(), step_backend=inner, **hyper)
+    compiled = torch.compile(model, backend="zenflow", options={"inner": inner})
+    train(name, oracle_model, oracle, data, micro_batches)
+    train(name, compiled, opt, data, micro_batches)
+    return oracle_model, model, oracle, opt
+
+
+@pytest.mark.parametrize("name", ["mlp", "mlp_nobias", "frozen", "conv", "gpt"])
+def test_compiled_eager_backend_equals_reference(name):
+    oracle_model, model, oracle, opt = compiled_vs_reference(name, "eager")
+    assert_close(list(model.parameters()), list(oracle_model.parameters()), **TOL)
+    assert opt.stats()["reselections"] == 3 and opt.stats()["cpu_updates"] == 6
+    owned = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    assert all(p.grad is None for p in owned)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_compiled_inductor_equals_reference(name):
+    oracle_model, model, _, _ = compiled_vs_reference(name, "inductor", steps=10)
+    assert_close(list(model.parameters()), list(oracle_model.parameters()), **TOL)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(overlap_step=True),
+        dict(full_warm_up_rounds=3),
+        dict(max_grad_norm=0.05),
+        dict(topk_ratio=0.0, update_interval=1, select_interval=1),
+        dict(topk_ratio=1.0),
+    ],
+    ids=["overlap", "warm-up", "clipping", "plain-offload", "all-on-device"],
+)
+def test_schedule_variants_equal_reference(settings):
+    oracle_model, model, _, _ = compiled_vs_reference("mlp", "eager", **settings)
+    assert_close(list(model.parameters()), list(oracle_model.parameters()), **TOL)
+
+
+def test_gradient_accumulation_equals_reference():
+    oracle_model, model, _, _ = compiled_vs_reference("gpt", "eager", micro_batches=2)
+    assert_close(list(model.parameters()), list(oracle_model.parameters()), **TOL)
+
+
+def test_uncompiled_model_takes_the_eager_path():
+    data = batches("conv", 8)
+    oracle_model, model = build("conv"), build("conv")
+    oracle = ReferenceZenFlowAdamW(oracle_model.parameters(), lr=1e-2, **SCHEDULE)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, step_backend="eager", **SCHEDULE)
+    train("conv", oracle_model, oracle, data)
+    train("conv", model, opt, data)
+    assert_close(list(model.parameters()), list(oracle_model.parameters()), **TOL)
+
+
+def test_optimizer_created_after_first_compiled_call_gets_a_recompiled_graph():
+    data = batches("mlp", 8)
+    oracle_model, model = build("mlp"), build("mlp")
+    oracle = ReferenceZenFlowAdamW(oracle_model.parameters(), lr=1e-2, **SCHEDULE)
+    graphs = []
+    options = {"inner": "eager", "on_backward": graphs.append}
+    compiled = torch.compile(model, backend="zenflow", options=options)
+    loss_of("mlp", compiled, *data[0]).backward()  # compiled before any optimizer owns weights
+    assert not any("stage_columns" in str(g.graph) for g in graphs)
+    model.zero_grad()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, step_backend="eager", **SCHEDULE)
+    train("mlp", compiled, opt, data)
+    train("mlp", oracle_model, oracle, data)
+    assert_close(list(model.parameters()), list(oracle_model.parameters()), **TOL)
+    assert "stage_columns" in str(graphs[-1].graph)
+    assert model[0].weight.grad is None
+
+
+def test_a_second_model_of_the_same_class_gets_its_own_variant():
+    data = batches("mlp", 6)
+    first, second, oracle_model = build("mlp"), build("mlp"), build("mlp")
+    oracle = ReferenceZenFlowAdamW(oracle_model.parameters(), lr=1e-2, **SCHEDULE)
+    for model in (first, second):
+        opt = ZenFlowAdamW(model.parameters(), lr=1e-2, step_backend="eager", **SCHEDULE)
+        train("mlp", torch.compile(model, backend="zenflow", options={"inner": "eager"}), opt, data)
+    train("mlp", oracle_model, oracle, data)
+    assert_close(list(second.parameters()), list(oracle_model.parameters()), **TOL)
+
+
+def test_reselection_does_not_recompile():
+    compiles = []
+
+    def counting_backend(gm, example_inputs):
+        compiles.append(gm)
+        from zenflow.backend import zenflow_backend
+
+        return zenflow_backend(gm, example_inputs, options={"inner": "eager"})
+
+    model = build("mlp")
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, step_backend="eager", **SCHEDULE)
+    compiled = torch.compile(model, backend=counting_backend)
+    train("mlp", compiled, opt, batches("mlp", 13))
+    assert opt.stats()["reselections"] == 4
+    assert len(compiles) == 1
+
+
+def test_unowned_parameters_compile_as_plain_inductor():
+    model, twin = build("mlp"), build("mlp")
+    inputs, targets = batches("mlp", 1)[0]
+    loss_of("mlp", torch.compile(model, backend="zenflow"), inputs, targets).backward()
+    loss_of("mlp", twin, inputs, targets).backward()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert_close(p.grad, q.grad, **TOL)
+
+
+def test_clip_grad_norm_through_the_optimizer_equals_reference():
+    data = batches("mlp", 6)
+    oracle_model, model = build("mlp"), build("mlp")
+    oracle = ReferenceZenFlowAdamW(oracle_model.parameters(), lr=1e-2, **SCHEDULE)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, step_backend="eager", **SCHEDULE)
+    compiled = torch.compile(model, backend="zenflow", options={"inner": "eager"})
+    for inputs, targets in data:
+        for m, o in ((oracle_model, oracle), (compiled, opt)):
+            o.zero_grad()
+            loss_of("mlp", m, inputs, targets).backward()
+            norm = o.clip_grad_norm_(0.05)
+            o.step()
+        assert norm > 0.05
+    assert_close(list(model.parameters()), list(oracle_model.parameters()), **TOL)
+
+
+def test_non_finite_gradient_skips_the_step_and_commits_nothing():
+    model = build("mlp")
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, step_backend="eager", **SCHEDULE)
+    compiled = torch.compile(model, backend="zenflow", options={"inner": "eager"})
+    train("mlp", compiled, opt, batches("mlp", 3))
+    before = [p.detach().clone() for p in model.parameters()]
+    host = [w.host_master.clone() for w in opt.weights]
+    inputs, targets = batches("mlp", 1)[0]
+    inputs[0, 0] = float("inf")
+    opt.zero_grad()
+    loss_of("mlp", compiled, inputs, targets).backward()
+    opt.step()
+    assert opt.stats()["skipped_steps"] == 1 and opt.stats()["steps"] == 3
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert all(torch.equal(w.host_master, h) for w, h in zip(opt.weights, host, strict=True))

@@ -1,0 +1,86 @@
+"""Rewritten backward graphs against their golden files (tests/golden/<case>.txt).
+
+``EXPECTTEST_ACCEPT=1 make test`` rewrites the goldens. They belong to the torch version in
+tests/golden/TORCH_VERSION; on another version the text comparison is not applicable and is
+reported as such, while the structural checks still run.
+"""
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.models import batches, build, loss_of
+from zenflow.optimizer import ZenFlowAdamW
+
+GOLDEN = Path(__file__).parent / "golden"
+CASES = ["mlp", "mlp_nobias", "gpt", "frozen", "conv"]
+ZENFLOW_OP = re.compile(r"(torch\.ops\.zenflow\.\w+\.default\([^,]+, )(\d+)\)")
+
+
+def rewritten_backward(name: str) -> tuple[torch.nn.Module, ZenFlowAdamW, torch.fx.GraphModule]:
+    model = build(name)
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager")
+    graphs = []
+    options = {"inner": "eager", "on_backward": graphs.append}
+    compiled = torch.compile(model, backend="zenflow", options=options)
+    loss_of(name, compiled, *batches(name, 1)[0]).backward()
+    assert len(graphs) == 1, "zenflow must not split the model into several graphs"
+    return model, opt, graphs[0]
+
+
+def normalized(gm: torch.fx.GraphModule) -> str:
+    """The graph's code with slot numbers renamed in order of appearance (they depend on how
+    many optimizers the process created before) and source comments dropped (they hold paths)."""
+    code = gm.print_readable(print_output=False)
+    slots: dict[str, str] = {}
+
+    def rename(match):
+        slot = slots.setdefault(match.group(2), f"slot{len(slots)}")
+        return f"{match.group(1)}{slot})"
+
+    lines = [line.rstrip() for line in ZENFLOW_OP.sub(rename, code).splitlines()]
+    return "\n".join(line for line in lines if line and not line.lstrip().startswith("#")) + "\n"
+
+
+def golden_applies() -> bool:
+    pinned = (GOLDEN / "TORCH_VERSION").read_text().strip()
+    return torch.__version__.split("+")[0] == pinned
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_backward_graph_matches_golden(name):
+    text = normalized(rewritten_backward(name)[2])
+    path = GOLDEN / f"{name}.txt"
+    if os.environ.get("EXPECTTEST_ACCEPT") == "1":
+        path.write_text(text)
+    if not golden_applies():
+        pytest.skip(f"goldens belong to torch {(GOLDEN / 'TORCH_VERSION').read_text().strip()}")
+    assert text == path.read_text(), f"{path} differs; review, then EXPECTTEST_ACCEPT=1 make test"
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_owned_weight_is_staged_once_and_its_gradient_dropped(name):
+    model, opt, gm = rewritten_backward(name)
+    nodes = list(gm.graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    stages = [n for n in nodes if n.target is torch.ops.zenflow.stage_columns.default]
+    scores = [n for n in nodes if n.target is torch.ops.zenflow.record_importance.default]
+    owned = {w.slot for w in opt.weights}
+    assert sorted(n.args[1] for n in stages) == sorted(owned)
+    assert sorted(n.args[1] for n in scores) == sorted(owned)
+    for stage in stages:
+        rows = stage.args[0]
+        assert rows.target is torch.ops.aten.index.Tensor
+        order = rows.args[1][0]
+        assert order.target is torch.ops.zenflow.column_order.default
+        assert position[order] < position[rows] < position[stage]
+    returned = gm.graph.output_node().args[0]
+    weight_grads = [
+        v for v in returned if isinstance(v, torch.fx.Node) and v.meta["val"].dim() >= 2
+    ]
+    assert weight_grads == []
+    vectors = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    assert sum(isinstance(v, torch.fx.Node) for v in returned) == len(vectors)
