@@ -14,6 +14,7 @@ _PUBLIC = {
     "build_lr_scheduler": "zenflow.config",
     "ReferenceZenFlowAdamW": "zenflow.reference",
     "CPUAdamW": "zenflow.cpu_adamw",
+    "ZenFlowAdamW": "zenflow.optimizer",
 }
 
 __all__ = sorted(_PUBLIC)

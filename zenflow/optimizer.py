@@ -50,8 +50,9 @@ class _Vector:
 class _PendingUpdate:
     """A CPU update running in the background (overlap_step) until the next window closes."""
 
-    handle: cpu_adam.CPUAdamHandle
+    handle: cpu_adam.CPUAdamHandle | None  # None: finished before a checkpoint was loaded
     weights: list[SplitWeight]
+    accumulators: list[torch.Tensor]
 
 
 class ZenFlowAdamW(torch.optim.Optimizer):
@@ -254,11 +255,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             scores = torch.empty_like(in_order)
             scores[w.order.cpu()] = in_order
             k = topk_count(self.topk_ratio, w.columns)
-            w.reselect(select_top_columns(scores, k))
-            w.in_window = False
-            moved = 2 * k * w.out * 4 * 4
-            self._counters["d2h_bytes"] += moved // 2
-            self._counters["h2d_bytes"] += moved // 2
+            to_host, to_device = w.reselect(select_top_columns(scores, k))
+            self._counters["d2h_bytes"] += to_host
+            self._counters["h2d_bytes"] += to_device
         self._counters["reselections"] += 1
 
     def _device_commit(self, weights, vectors, coefficient: float) -> None:
@@ -348,8 +347,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 segment_len=[w.out for w in group_weights],
                 **self._hyper(group_index),
             )
-            pending = _PendingUpdate(handle, group_weights)
+            pending = _PendingUpdate(handle, group_weights, [w.accumulator for w in group_weights])
             if background:
+                # The job reads (then zeroes) this window's sum while the next window fills
+                # the other buffer.
+                for w in group_weights:
+                    w.accumulator = w.spare_accumulator
+                    if w.accumulator is None:
+                        w.accumulator = torch.zeros(w.columns - w.k, w.out)
+                    w.spare_accumulator = None
                 self._pending.append(pending)
             else:
                 self._apply(pending)
@@ -360,8 +366,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.window_steps = 0
 
     def _apply(self, pending: _PendingUpdate) -> None:
-        self._timed_wait(pending.handle, cpu=not self.overlap_step)
-        for w in pending.weights:
+        if pending.handle is not None:
+            self._timed_wait(pending.handle, cpu=not self.overlap_step)
+        for w, used in zip(pending.weights, pending.accumulators, strict=True):
+            if used is not w.accumulator:
+                w.spare_accumulator = used
             self._counters["h2d_bytes"] += w.write_unselected(w.host_master[w.k :])
 
     def _finish_pending(self) -> None:
@@ -383,6 +392,93 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self.window_steps:
             self._close_window(select_boundary=False, force_sync=True)
         self._finish_pending()
+
+    # Checkpoints.
+
+    _FORMAT = "zenflow.ZenFlowAdamW/1"
+    _SETTINGS = ("topk_ratio", "update_interval", "select_interval", "overlap_step")
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume exactly, taken between steps.
+
+        An overlapped CPU update still running is waited for but not applied: its result reaches
+        the parameters at the next window boundary, after a load as without one.
+        """
+        if any(w.has_staged for w in self.weights):
+            raise RuntimeError(
+                "ZenFlowAdamW.state_dict() between backward() and step(): gradients are staged "
+                "but not committed; save after step() (or zero_grad())"
+            )
+        for pending in self._pending:
+            self._timed_wait(pending.handle, cpu=False)
+        pending_weights = {id(w) for p in self._pending for w in p.weights}
+        weights = [
+            {
+                "order": w.order.cpu(),
+                "k": w.k,
+                "host": [w.host_master, w.host_exp_avg, w.host_exp_avg_sq, w.host_steps],
+                "device": [w.device_master, w.device_exp_avg, w.device_exp_avg_sq, w.device_steps],
+                "accumulator": w.accumulator,
+                "in_window": w.in_window,
+                "pending": id(w) in pending_weights,
+            }
+            for w in self.weights
+        ]
+        vectors = [[v.master, v.exp_avg, v.exp_avg_sq, v.steps] for v in self.vectors]
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {
+            "format": self._FORMAT,
+            "settings": {name: getattr(self, name) for name in self._SETTINGS},
+            "param_groups": groups,
+            "committed_steps": self.committed_steps,
+            "window_steps": self.window_steps,
+            "counters": dict(self._counters),
+            "weights": weights,
+            "vectors": vectors,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s result into an optimizer built over the same parameters."""
+        if not isinstance(state, dict) or state.get("format") != self._FORMAT:
+            raise ValueError(f"not a {self._FORMAT} state dict")
+        mine = {name: getattr(self, name) for name in self._SETTINGS}
+        if state["settings"] != mine:
+            raise ValueError(f"state dict settings {state['settings']} differ from {mine}")
+        shapes = [(w.columns, w.out) for w in self.weights]
+        saved = [tuple(s["host"][0].shape) for s in state["weights"]]
+        if saved != shapes or len(state["vectors"]) != len(self.vectors):
+            raise ValueError(
+                f"state dict holds weights {saved} and {len(state['vectors'])} vectors; this "
+                f"optimizer has {shapes} and {len(self.vectors)}"
+            )
+        self._finish_pending()
+        for group, saved_group in zip(self.param_groups, state["param_groups"], strict=True):
+            group.update(saved_group)
+        self.committed_steps = state["committed_steps"]
+        self.window_steps = state["window_steps"]
+        self._counters.update(state["counters"])
+        pending = []
+        for w, saved in zip(self.weights, state["weights"], strict=True):
+            w.load(saved["order"], saved["k"], saved["host"], saved["device"])
+            w.accumulator = None if saved["accumulator"] is None else saved["accumulator"].clone()
+            w.spare_accumulator = None
+            w.in_window = saved["in_window"]
+            if saved["pending"]:
+                pending.append(w)
+        for v, (master, exp_avg, exp_avg_sq, steps) in zip(
+            self.vectors, state["vectors"], strict=True
+        ):
+            for mine_t, saved_t in (
+                (v.master, master),
+                (v.exp_avg, exp_avg),
+                (v.exp_avg_sq, exp_avg_sq),
+                (v.steps, steps),
+            ):
+                mine_t.copy_(saved_t)
+        for _, group_weights in self._by_group(pending):
+            accumulators = [w.accumulator for w in group_weights]
+            self._pending.append(_PendingUpdate(None, group_weights, accumulators))
 
     def stats(self) -> dict:
         selected = sum(w.k * w.out for w in self.weights)

@@ -32,6 +32,7 @@ class SplitWeight:
         self.device_steps = None
         self._empty_device_state()
         self.accumulator: torch.Tensor | None = None
+        self.spare_accumulator: torch.Tensor | None = None
         self.in_window = False
         self.last_grad: torch.Tensor | None = None
         self.discard_staged()
@@ -109,9 +110,15 @@ class SplitWeight:
 
     # Selection and migration.
 
-    def reselect(self, selected_columns: torch.Tensor) -> None:
+    def _device_rows_bytes(self) -> int:
+        """Bytes of the device-resident rows: master, moments, staged gradient (fp32) and steps."""
+        return self.k * (self.out * 4 * 4 + 8)
+
+    def reselect(self, selected_columns: torch.Tensor) -> tuple[int, int]:
         """Adopt a new selection (ascending natural column indices), moving state and staged
-        gradient rows to where the new order puts them."""
+        gradient rows to where the new order puts them. Returns the bytes moved (to the host,
+        to the device)."""
+        to_host = self._device_rows_bytes()
         self._return_device_state()
         selected_columns = selected_columns.cpu()
         is_selected = torch.zeros(self.columns, dtype=torch.bool)
@@ -136,6 +143,7 @@ class SplitWeight:
             self.device_stage = full[: self.k].to(device)
             self.host_stage = self._host(full[self.k :])
             self.score_parts = []
+        return to_host, self._device_rows_bytes()
 
     def _return_device_state(self) -> None:
         if self.k == 0:
@@ -144,6 +152,21 @@ class SplitWeight:
         self.host_exp_avg[: self.k] = self.device_exp_avg.cpu()
         self.host_exp_avg_sq[: self.k] = self.device_exp_avg_sq.cpu()
         self.host_steps[: self.k] = self.device_steps.cpu()
+
+    def load(self, order, k: int, host: list, device: list) -> None:
+        """Adopt saved state (``order``, ``k``, host and device tensors as state_dict lists)."""
+        self.k = k
+        self.order = order.to(self.param.device)
+        master, exp_avg, exp_avg_sq, steps = host
+        self.host_master = self._host(master.clone())
+        self.host_exp_avg = self._host(exp_avg.clone())
+        self.host_exp_avg_sq = self._host(exp_avg_sq.clone())
+        self.host_steps = steps.clone()
+        device_tensors = [t.to(self.param.device, copy=True) for t in device]
+        self.device_master, self.device_exp_avg, self.device_exp_avg_sq, self.device_steps = (
+            device_tensors
+        )
+        self.discard_staged()
 
     # Writing updated values into the parameter the model computes with.
 

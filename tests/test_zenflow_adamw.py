@@ -1,0 +1,117 @@
+"""ZenFlowAdamW as a torch.optim.Optimizer: checkpoints, statistics, bad input."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from tests.models import batches, build, loss_of
+from zenflow.optimizer import ZenFlowAdamW
+from zenflow.reference import ReferenceZenFlowAdamW
+
+SETTINGS = dict(lr=1e-2, topk_ratio=0.25, update_interval=2, select_interval=4, overlap_step=True)
+
+
+def train(model, opt, data):
+    for inputs, targets in data:
+        opt.zero_grad()
+        loss_of("mlp", model, inputs, targets).backward()
+        opt.step()
+
+
+def test_save_mid_window_with_an_overlapped_update_pending_resumes_bitwise():
+    # The window after the save ends without a reselection, so the pending update matters.
+    settings = {**SETTINGS, "select_interval": 12}
+    data = batches("mlp", 20)
+    straight = build("mlp")
+    straight_opt = ZenFlowAdamW(straight.parameters(), step_backend="eager", **settings)
+    train(straight, straight_opt, data)
+
+    first = build("mlp")
+    first_opt = ZenFlowAdamW(first.parameters(), step_backend="eager", **settings)
+    train(first, first_opt, data[:7])  # mid-window, with window 3's update still pending
+    assert first_opt._pending and first_opt.window_steps == 1
+    saved_model = {k: v.clone() for k, v in first.state_dict().items()}
+    saved_opt = first_opt.state_dict()
+
+    resumed = build("mlp", seed=123)
+    resumed.load_state_dict(saved_model)
+    resumed_opt = ZenFlowAdamW(resumed.parameters(), step_backend="eager", **settings)
+    resumed_opt.load_state_dict(saved_opt)
+    train(resumed, resumed_opt, data[7:])
+    for a, b in zip(resumed.parameters(), straight.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert resumed_opt.stats()["steps"] == 20
+
+
+def test_overlap_on_large_weights_equals_reference():
+    """Big enough that the CPU update is still running while the next window accumulates."""
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64))  # noqa: E731
+    torch.manual_seed(0)
+    model = make()
+    torch.manual_seed(0)
+    oracle_model = make()
+    oracle = ReferenceZenFlowAdamW(oracle_model.parameters(), **SETTINGS)
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **SETTINGS)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(8):
+        x, y = torch.randn(4, 256, generator=g), torch.randn(4, 64, generator=g)
+        for m, o in ((model, opt), (oracle_model, oracle)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    assert_close(list(model.parameters()), list(oracle_model.parameters()), rtol=1e-5, atol=1e-6)
+
+
+def test_stats_count_steps_updates_and_bytes():
+    model = build("mlp")
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **SETTINGS)
+    train(model, opt, batches("mlp", 8))
+    stats = opt.stats()
+    assert stats["steps"] == 8 and stats["reselections"] == 2 and stats["cpu_updates"] == 4
+    # Weights [16, 6] and [3, 16]: k = 1 of 6 and 4 of 16 columns.
+    all_elements = 6 * 16 + 16 * 3
+    selected_elements, selected_columns = 1 * 16 + 4 * 3, 1 + 4
+    unselected_elements = all_elements - selected_elements
+    assert stats["selected_fraction"] == pytest.approx(selected_elements / all_elements)
+    # Step 1 stages every row (nothing selected yet), steps 2-8 the unselected ones, in fp32.
+    staged = (all_elements + 7 * unselected_elements) * 4
+    # A selection moves device rows (master, moments, staged gradient: fp32; steps: int64):
+    # in at steps 1 and 5, out at step 5.
+    migration = selected_elements * 4 * 4 + selected_columns * 8
+    assert stats["d2h_bytes"] == staged + migration
+    # Each of the 4 CPU updates sends the unselected columns back in the parameter dtype.
+    assert stats["h2d_bytes"] == 4 * unselected_elements * 4 + 2 * migration
+    assert stats["skipped_steps"] == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(topk_ratio=1.5), "topk_ratio"),
+        (dict(update_interval=0), "update_interval"),
+        (dict(update_interval=4, select_interval=2), "select_interval"),
+        (dict(select_strategy="epoch", select_interval=1), "steps_per_epoch"),
+        (dict(max_grad_norm=0.0), "max_grad_norm"),
+        (dict(lr=-1.0), "lr"),
+        (dict(update_interval="auto"), "update_interval"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ZenFlowAdamW(build("mlp").parameters(), **kwargs)
+
+
+def test_non_contiguous_weight_is_refused():
+    weight = torch.nn.Parameter(torch.randn(4, 6).t())
+    with pytest.raises(ValueError, match="contiguous"):
+        ZenFlowAdamW([weight])
+
+
+def test_state_dict_between_backward_and_step_is_refused():
+    model = build("mlp")
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **SETTINGS)
+    loss_of("mlp", model, *batches("mlp", 1)[0]).backward()
+    opt._staged_norm_sq()
+    with pytest.raises(RuntimeError, match="save after step"):
+        opt.state_dict()
