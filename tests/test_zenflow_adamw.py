@@ -115,3 +115,18 @@ def test_state_dict_between_backward_and_step_is_refused():
     opt._staged_norm_sq()
     with pytest.raises(RuntimeError, match="save after step"):
         opt.state_dict()
+
+
+def test_grad_divisor_unscales_before_clipping_and_update():
+    data = batches("mlp", 6)
+    settings = {**SETTINGS, "max_grad_norm": 0.05}
+    scaled, oracle_model = build("mlp"), build("mlp")
+    opt = ZenFlowAdamW(scaled.parameters(), step_backend="eager", **settings)
+    oracle = ReferenceZenFlowAdamW(oracle_model.parameters(), **settings)
+    for inputs, targets in data:
+        opt.zero_grad()
+        (loss_of("mlp", scaled, inputs, targets) * 1024.0).backward()
+        opt.step(grad_divisor=1024.0)
+        assert not opt.last_step_skipped
+    train(oracle_model, oracle, data)
+    assert_close(list(scaled.parameters()), list(oracle_model.parameters()), rtol=1e-5, atol=1e-6)

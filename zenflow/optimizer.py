@@ -135,6 +135,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
         self.committed_steps = 0
         self.window_steps = 0
+        self.last_step_skipped = False
         self._pending: list[_PendingUpdate] = []
         self._clip_next_step: float | None = None
         self._norm_sq: float | None = None
@@ -196,9 +197,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     # The step.
 
     @torch.no_grad()
-    def step(self, closure=None):
-        """One optimizer step; returns the closure's loss. A step whose gradient is not finite
-        is skipped (nothing committed) and counted in ``stats()["skipped_steps"]``."""
+    def step(self, closure=None, *, grad_divisor: float = 1.0):
+        """One optimizer step; returns the closure's loss.
+
+        ``grad_divisor`` divides the gradients before clipping and the update (a loss scale).
+        A step whose gradient is not finite is skipped (nothing committed), counted in
+        ``stats()["skipped_steps"]`` and reported by ``last_step_skipped``.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -209,14 +214,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._norm_sq = None
         weights = [w for w in self.weights if w.has_staged]
         vectors = [v for v in self.vectors if v.param.grad is not None]
-        if not math.isfinite(norm_sq):
+        self.last_step_skipped = not math.isfinite(norm_sq)
+        if self.last_step_skipped:
             self._counters["skipped_steps"] += 1
             for w in weights:
                 w.discard_staged()
             return loss
-        coefficient = 1.0
+        coefficient = 1.0 / grad_divisor
         if max_norm is not None:
-            coefficient = min(1.0, max_norm / (math.sqrt(norm_sq) + 1e-6))
+            norm = math.sqrt(norm_sq) / grad_divisor
+            coefficient *= min(1.0, max_norm / (norm + 1e-6))
 
         warm_up = self.committed_steps < self.full_warm_up_rounds
         s = self.committed_steps - self.full_warm_up_rounds
