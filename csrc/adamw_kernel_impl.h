@@ -27,8 +27,11 @@ inline typename Vec::T load_grad(const void* g, int64_t i) {
 
 // n is a multiple of Vec::kWidth. The order of operations follows torch's single-tensor AdamW:
 //   p *= 1 - lr*wd;  m = fma(w', g - m, m or g) (torch's lerp);
-//   v = fma((1-beta2)*g, g, v*beta2) (torch's addcmul);  denom = sqrt(v)/sqrt(bc2) + eps;
+//   v = fma((1-beta2)*g, g, v*beta2) (torch's addcmul);  denom = sqrt(v) * (1/sqrt(bc2)) + eps;
 //   p += ((-lr/bc1) * m) / denom (torch's addcdiv)
+// so m and v match torch bit for bit. Only denom differs: torch divides by sqrt(bc2); multiplying
+// by its reciprocal (at most an ulp apart) leaves one division per element instead of two, and
+// the divider is what limits a core that the training thread is also using.
 // With an accumulator (the ZenFlow boundary) the gradient is (acc + g) * grad_scale and the
 // accumulator is cleared in the same pass.
 template <int32_t G, int32_t O, bool kBoundary>
@@ -38,7 +41,7 @@ inline void update_block(float* p, const void* g, float* m, float* v, float* acc
   const T decay = Vec::set1(c.decay), coeff = Vec::set1(c.lerp_coeff);
   const T beta2 = Vec::set1(c.beta2), one_minus_beta2 = Vec::set1(c.one_minus_beta2);
   const T eps = Vec::set1(c.eps), scale = Vec::set1(c.grad_scale);
-  const T neg_step_size = Vec::set1(c.neg_step_size), bc2_sqrt = Vec::set1(c.bc2_sqrt);
+  const T neg_step_size = Vec::set1(c.neg_step_size), inv_bc2_sqrt = Vec::set1(c.inv_bc2_sqrt);
   for (int64_t i = 0; i < n; i += Vec::kWidth) {
     T grad = load_grad<G>(g, i);
     if constexpr (kBoundary) {
@@ -52,7 +55,7 @@ inline void update_block(float* p, const void* g, float* m, float* v, float* acc
     const T base = c.lerp_from_grad ? grad : exp_avg;
     exp_avg = Vec::fma(coeff, Vec::sub(grad, exp_avg), base);
     T exp_avg_sq = Vec::fma(Vec::mul(one_minus_beta2, grad), grad, Vec::mul(Vec::load(v + i), beta2));
-    const T denom = Vec::add(Vec::div(Vec::sqrt(exp_avg_sq), bc2_sqrt), eps);
+    const T denom = Vec::add(Vec::mul(Vec::sqrt(exp_avg_sq), inv_bc2_sqrt), eps);
     param = Vec::add(param, Vec::div(Vec::mul(neg_step_size, exp_avg), denom));
     Vec::store(p + i, param);
     Vec::store(m + i, exp_avg);

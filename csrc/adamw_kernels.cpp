@@ -6,7 +6,7 @@
 namespace zf {
 
 // Scalars are formed in double and rounded to float once, as torch does when it passes Python
-// floats to float32 tensor ops; step_size and sqrt(bc2) are rounded separately, not folded.
+// floats to float32 tensor ops; step_size and 1/sqrt(bc2) are rounded separately, not folded.
 ElementConsts element_consts(const Hyper& h, int64_t step) {
   ElementConsts c;
   c.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
@@ -20,7 +20,7 @@ ElementConsts element_consts(const Hyper& h, int64_t step) {
   c.grad_scale = static_cast<float>(h.grad_scale);
   const double s = static_cast<double>(step);
   c.neg_step_size = static_cast<float>(-(h.lr / (1.0 - std::pow(h.beta1, s))));
-  c.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(h.beta2, s)));
+  c.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(h.beta2, s)));
   return c;
 }
 

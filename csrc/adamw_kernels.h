@@ -43,7 +43,7 @@ struct ElementConsts {
   bool lerp_from_grad;  // lerp's base is the gradient (weight >= 0.5) instead of exp_avg
   float beta2, one_minus_beta2, eps, grad_scale;
   float neg_step_size;  // -lr / (1 - beta1^step)
-  float bc2_sqrt;       // sqrt(1 - beta2^step)
+  float inv_bc2_sqrt;   // 1 / sqrt(1 - beta2^step)
 };
 
 ElementConsts element_consts(const Hyper& h, int64_t step);
