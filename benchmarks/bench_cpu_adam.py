@@ -7,8 +7,8 @@ Two cases per size:
   boundary  ZenFlow's update boundary: acc += g_last (bf16); AdamW with acc / n; acc = 0;
             bf16 copy of p (36 bytes per element). zenflow does it in one fused pass; the peers
             in separate passes with their own ops (torch fused folds / n into its step).
-Each round times every implementation once, in turn, so machine noise hits all of them alike;
-the table shows the best and the median round. GB/s = the case's bytes per element / best time
+Each round times every implementation once, in turn (after a short pause), so machine noise
+hits all of them alike; the table shows the best and the median round. GB/s = the case's bytes per element / best time
 (the same bytes for every row, so GB/s compares work done, not traffic). "vs best peer" =
 best peer time / this row's time. "copy" is torch's copy_ of the same number of bytes.
 """
@@ -47,6 +47,7 @@ from zenflow.runtime import cpu_adam  # noqa: E402
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 N_ACCUMULATED = 4
+SETTLE_S = 0.02
 
 
 def _deepspeed_adam():
@@ -144,6 +145,9 @@ def measure(cases, reps):
     times = {name: [] for name in cases}
     for _ in range(reps):
         for name, fn in cases.items():
+            # torch's and DeepSpeed's OpenMP threads spin for a while after each op; the pause
+            # lets them sleep, so that no implementation pays for its predecessor's spinning.
+            time.sleep(SETTLE_S)
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)

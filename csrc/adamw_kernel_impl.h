@@ -54,7 +54,8 @@ inline void update_block(float* p, const void* g, float* m, float* v, float* acc
     T exp_avg = Vec::load(m + i);
     const T base = c.lerp_from_grad ? grad : exp_avg;
     exp_avg = Vec::fma(coeff, Vec::sub(grad, exp_avg), base);
-    T exp_avg_sq = Vec::fma(Vec::mul(one_minus_beta2, grad), grad, Vec::mul(Vec::load(v + i), beta2));
+    const T decayed_sq = Vec::mul(Vec::load(v + i), beta2);
+    const T exp_avg_sq = Vec::fma(Vec::mul(one_minus_beta2, grad), grad, decayed_sq);
     const T denom = Vec::add(Vec::mul(Vec::sqrt(exp_avg_sq), inv_bc2_sqrt), eps);
     param = Vec::add(param, Vec::div(Vec::mul(neg_step_size, exp_avg), denom));
     Vec::store(p + i, param);
