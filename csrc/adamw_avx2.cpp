@@ -30,7 +30,9 @@ struct Vec {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
-  static T load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+  static T load_f16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+  }
   // torch's round_to_nearest_even: add 0x7fff plus the lowest kept bit; every NaN -> 0x7fc0.
   static void store_bf16(uint16_t* p, T x) {
     const __m256i bits = _mm256_castps_si256(x);
@@ -45,7 +47,8 @@ struct Vec {
     _mm_storeu_si128((__m128i*)p, packed);
   }
   static void store_f16(uint16_t* p, T x) {
-    _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128((__m128i*)p,
+                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   static T add(T a, T b) { return _mm256_add_ps(a, b); }
   static T sub(T a, T b) { return _mm256_sub_ps(a, b); }

@@ -18,9 +18,9 @@ struct Hyper {
   double lr, beta1, beta2, eps, weight_decay, grad_scale;
 };
 
-// One tensor's buffers (also the C ABI's tensor record: the ctypes mirror in
-// zenflow/runtime/cpu_adam.py must match this layout). accumulator != nullptr selects the fused boundary pass; grad may then be
-// null (the accumulator already holds the window's sum).
+// One tensor's buffers, also the C ABI's tensor record (its ctypes mirror in
+// zenflow/runtime/cpu_adam.py must match this layout). accumulator != nullptr selects the fused
+// boundary pass; grad may then be null (the accumulator already holds the window's sum).
 struct TensorWork {
   float* param;
   const void* grad;
