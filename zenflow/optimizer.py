@@ -22,6 +22,7 @@ from zenflow.columns import has_columns, select_top_columns, topk_count
 from zenflow.config import resolve_select_interval, zenflow_block
 from zenflow.notices import notice
 from zenflow.runtime import cpu_adam
+from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.selective_step import compiled_selective_adamw
 from zenflow.runtime.split_weight import SplitWeight
 
@@ -83,6 +84,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         pt_reserved_cores_perc: float = 0.5,
         max_grad_norm: float | None = None,
         step_backend: str = "inductor",
+        zero_stage: int = 2,
+        process_group=None,
     ):
         if not 0.0 <= lr:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -118,6 +121,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.full_warm_up_rounds = settings.full_warm_up_rounds
         self.max_grad_norm = max_grad_norm
         self._device_step = compiled_selective_adamw(step_backend)
+        self.comm = DataParallel(zero_stage, process_group)
         cpu_adam.set_num_threads(
             cpu_adam.threads_from_reserved_cores(settings.pt_reserved_cores_perc)
         )
@@ -129,7 +133,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if not p.requires_grad:
                     continue
                 if has_columns(p):
-                    self.weights.append(self._split(p, group_index))
+                    self.weights.append(self._split(p, group_index, self.comm))
                 else:
                     self.vectors.append(_Vector.of(p, group_index))
 
@@ -150,13 +154,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         )
 
     @staticmethod
-    def _split(p: torch.Tensor, group_index: int) -> SplitWeight:
+    def _split(p: torch.Tensor, group_index: int, comm: DataParallel) -> SplitWeight:
         if not p.is_contiguous():
             raise ValueError(
                 f"ZenFlowAdamW needs contiguous weights; got one of shape {tuple(p.shape)} "
                 f"with strides {p.stride()}: make it contiguous before creating the optimizer"
             )
-        return SplitWeight(p, group_index, pin_memory=True)
+        return SplitWeight(p, group_index, comm, pin=True)
 
     # Gradients.
 
@@ -173,9 +177,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             total = torch.zeros((), dtype=torch.float64)
             for w in self.weights:
                 if w.has_staged:
+                    w.reduce_staged()
                     total += w.staged_scores().double().sum()
             for v in self.vectors:
                 if v.param.grad is not None:
+                    self.comm.all_reduce_mean_(v.param.grad)
                     total += v.param.grad.double().square().sum().cpu()
             self._norm_sq = total.item()
         return self._norm_sq
@@ -263,6 +269,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             scores[w.order.cpu()] = in_order
             k = topk_count(self.topk_ratio, w.columns)
             to_host, to_device = w.reselect(select_top_columns(scores, k))
+            # Windows are flushed at select boundaries; this rank's share of unselected
+            # columns may change size with the selection.
+            w.accumulator = w.spare_accumulator = None
             self._counters["d2h_bytes"] += to_host
             self._counters["h2d_bytes"] += to_device
         self._counters["reselections"] += 1
@@ -314,7 +323,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 cpu=True,
             )
             for w in group_weights:
-                self._counters["h2d_bytes"] += w.write_unselected(w.host_master)
+                self._counters["h2d_bytes"] += w.write_unselected()
             self._counters["cpu_updates"] += 1
 
     def _by_group(self, weights: list[SplitWeight]):
@@ -328,7 +337,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         clipping the CPU update folds the addition into its own pass instead."""
         for w in weights:
             if w.accumulator is None:
-                w.accumulator = torch.zeros(w.columns - w.k, w.out)
+                w.accumulator = torch.zeros(w.host_stage.shape)
             w.in_window = True
             if fuse_last and coefficient == 1.0:
                 w.last_grad = w.host_stage
@@ -342,15 +351,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         background = self.overlap_step and not (select_boundary or force_sync)
         for group_index, group_weights in self._by_group(weights):
             for w in group_weights:
-                w.host_steps[w.k :] += 1
+                w.host_steps[w.k_local :] += 1
             handle = cpu_adam.submit_boundary_adamw_step(
-                [w.host_master[w.k :] for w in group_weights],
+                [w.host_master[w.k_local :] for w in group_weights],
                 [w.accumulator for w in group_weights],
                 [w.last_grad for w in group_weights],
-                [w.host_exp_avg[w.k :] for w in group_weights],
-                [w.host_exp_avg_sq[w.k :] for w in group_weights],
+                [w.host_exp_avg[w.k_local :] for w in group_weights],
+                [w.host_exp_avg_sq[w.k_local :] for w in group_weights],
                 n=self.window_steps,
-                steps=[w.host_steps[w.k :] for w in group_weights],
+                steps=[w.host_steps[w.k_local :] for w in group_weights],
                 segment_len=[w.out for w in group_weights],
                 **self._hyper(group_index),
             )
@@ -358,10 +367,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if background:
                 # The job reads (then zeroes) this window's sum while the next window fills
                 # the other buffer.
-                for w in group_weights:
+                for w, used in zip(group_weights, pending.accumulators, strict=True):
                     w.accumulator = w.spare_accumulator
                     if w.accumulator is None:
-                        w.accumulator = torch.zeros(w.columns - w.k, w.out)
+                        w.accumulator = torch.zeros_like(used)
                     w.spare_accumulator = None
                 self._pending.append(pending)
             else:
@@ -378,7 +387,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for w, used in zip(pending.weights, pending.accumulators, strict=True):
             if used is not w.accumulator:
                 w.spare_accumulator = used
-            self._counters["h2d_bytes"] += w.write_unselected(w.host_master[w.k :])
+            self._counters["h2d_bytes"] += w.write_unselected()
 
     def _finish_pending(self) -> None:
         for pending in self._pending:
@@ -417,12 +426,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "but not committed; save after step() (or zero_grad())"
             )
         for pending in self._pending:
-            self._timed_wait(pending.handle, cpu=False)
+            if pending.handle is not None:
+                self._timed_wait(pending.handle, cpu=False)
         pending_weights = {id(w) for p in self._pending for w in p.weights}
         weights = [
             {
                 "order": w.order.cpu(),
+                "local_order": w.local_order,
                 "k": w.k,
+                "k_local": w.k_local,
+                "unselected_counts": w.unselected_counts,
                 "host": [w.host_master, w.host_exp_avg, w.host_exp_avg_sq, w.host_steps],
                 "device": [w.device_master, w.device_exp_avg, w.device_exp_avg_sq, w.device_steps],
                 "accumulator": w.accumulator,
@@ -435,6 +448,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {
             "format": self._FORMAT,
+            "world_size": self.comm.world_size,
+            "rank": self.comm.rank,
             "settings": {name: getattr(self, name) for name in self._SETTINGS},
             "param_groups": groups,
             "committed_steps": self.committed_steps,
@@ -452,7 +467,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         mine = {name: getattr(self, name) for name in self._SETTINGS}
         if state["settings"] != mine:
             raise ValueError(f"state dict settings {state['settings']} differ from {mine}")
-        shapes = [(w.columns, w.out) for w in self.weights]
+        saved_at = (state["world_size"], state["rank"])
+        if saved_at != (self.comm.world_size, self.comm.rank):
+            raise ValueError(
+                f"state dict of rank {saved_at[1]} of {saved_at[0]} cannot load into rank "
+                f"{self.comm.rank} of {self.comm.world_size}: resume with the world size it was "
+                "saved at (resharding is not supported yet)"
+            )
+        shapes = [(w.hi - w.lo, w.out) for w in self.weights]
         saved = [tuple(s["host"][0].shape) for s in state["weights"]]
         if saved != shapes or len(state["vectors"]) != len(self.vectors):
             raise ValueError(
@@ -467,7 +489,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._counters.update(state["counters"])
         pending = []
         for w, saved in zip(self.weights, state["weights"], strict=True):
-            w.load(saved["order"], saved["k"], saved["host"], saved["device"])
+            w.load(
+                saved["order"],
+                saved["local_order"],
+                saved["k"],
+                saved["k_local"],
+                saved["unselected_counts"],
+                saved["host"],
+                saved["device"],
+            )
             w.accumulator = None if saved["accumulator"] is None else saved["accumulator"].clone()
             w.spare_accumulator = None
             w.in_window = saved["in_window"]
@@ -495,3 +525,22 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             selected_fraction=selected / total if total else 0.0,
             **self._counters,
         )
+
+    def fp32_parameters(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        """Every owned parameter's fp32 master value, shaped like the parameter, on the host.
+
+        For export: with a 16-bit model these are the exact values the 16-bit weights were
+        rounded from. Call ``flush()`` first, so that no update is pending or running.
+        """
+        if self._pending or self.window_steps:
+            raise RuntimeError("fp32_parameters() with updates pending: call flush() first")
+        values = {}
+        for w in self.weights:
+            rows = w.host_master.clone()
+            rows[: w.k] = w.device_master.cpu()
+            in_natural_order = torch.empty_like(rows)
+            in_natural_order[w.order.cpu()] = rows
+            values[w.param] = in_natural_order.t().reshape(w.param.shape).contiguous()
+        for v in self.vectors:
+            values[v.param] = v.master.cpu().reshape(v.param.shape).clone()
+        return values

@@ -1,10 +1,14 @@
-"""One weight's ZenFlow state, split by columns between the device and the host.
+"""One weight's ZenFlow state, split by columns between the device and the host, and on the host
+partitioned across data-parallel ranks (ZeRO-1/2).
 
-Layout: every per-column quantity is kept as *rows* of a ``[columns, out]`` matrix (the weight
-transposed, so each column is contiguous) in *column order*: ``order[:k]`` are the selected
-columns, ``order[k:]`` the rest. The host holds fp32 master, moments and per-column step counts
-for all columns (rows ``[:k]`` are stale while those columns live on the device); the device
-holds the same for the ``k`` selected rows. Reselection moves state between the two, it never
+Layout: per-column quantities are *rows* of a ``[columns, out]`` matrix (the weight transposed,
+so each column is contiguous). ``order`` is the weight's global column order: the ``k``
+selected columns (ascending), then the unselected ones grouped by the rank owning them. Every
+rank holds the device state of all selected rows (they are updated identically everywhere).
+The host state (fp32 master, moments, per-column step counts) of the natural column block
+``[lo, hi)`` lives on one rank only, in *local order*: that block's selected columns first
+(``k_local`` rows, stale while on the device), then its unselected ones. Because blocks are
+fixed, reselection moves state between device and host, never between ranks, and never
 resets it.
 """
 
@@ -12,24 +16,28 @@ import torch
 
 from zenflow.columns import as_matrix, column_count
 from zenflow.runtime import registry
+from zenflow.runtime.comm import DataParallel
 
 
 class SplitWeight:
-    def __init__(self, param: torch.Tensor, group_index: int, pin_memory: bool):
+    def __init__(self, param: torch.Tensor, group_index: int, comm: DataParallel, pin: bool):
         self.param = param
         self.group_index = group_index
+        self.comm = comm
         self.out = param.shape[0]
         self.columns = column_count(param.shape)
-        self.pin_memory = pin_memory and param.device.type == "cuda"
+        self.lo, self.hi = comm.block(self.columns)
+        self.pin_memory = pin and param.device.type == "cuda"
         self.k = 0
+        self.k_local = 0
         self.order = torch.arange(self.columns, device=param.device)
-        rows = as_matrix(param.detach()).t().float().cpu()
+        self.local_order = torch.arange(self.lo, self.hi)
+        self.unselected_counts = [hi - lo for lo, hi in map(self._block, range(comm.world_size))]
+        rows = as_matrix(param.detach()).t()[self.lo : self.hi].float().cpu()
         self.host_master = self._host(rows)
         self.host_exp_avg = self._host(torch.zeros_like(rows))
         self.host_exp_avg_sq = self._host(torch.zeros_like(rows))
-        self.host_steps = torch.zeros(self.columns, dtype=torch.int64)
-        self.device_master = self.device_exp_avg = self.device_exp_avg_sq = None
-        self.device_steps = None
+        self.host_steps = torch.zeros(self.hi - self.lo, dtype=torch.int64)
         self._empty_device_state()
         self.accumulator: torch.Tensor | None = None
         self.spare_accumulator: torch.Tensor | None = None
@@ -38,18 +46,23 @@ class SplitWeight:
         self.discard_staged()
         self.slot = registry.register(param, self)
 
+    def _block(self, rank: int) -> tuple[int, int]:
+        return self.comm.block(self.columns, rank)
+
     def _host(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.contiguous()
         return tensor.pin_memory() if self.pin_memory else tensor
 
     def _empty_device_state(self) -> None:
-        empty = torch.empty(0, self.out, device=self.param.device)
-        self.device_master, self.device_exp_avg, self.device_exp_avg_sq = (
-            empty,
-            empty.clone(),
-            empty.clone(),
-        )
-        self.device_steps = torch.empty(0, dtype=torch.int64, device=self.param.device)
+        device = self.param.device
+        self.device_master = torch.empty(0, self.out, device=device)
+        self.device_exp_avg = torch.empty(0, self.out, device=device)
+        self.device_exp_avg_sq = torch.empty(0, self.out, device=device)
+        self.device_steps = torch.empty(0, dtype=torch.int64, device=device)
+
+    @property
+    def distributed(self) -> bool:
+        return self.comm.world_size > 1
 
     # The runtime side of zenflow.ops: called from compiled backward graphs (or eagerly).
 
@@ -59,22 +72,29 @@ class SplitWeight:
     def stage(self, rows: torch.Tensor) -> None:
         """Keep this micro-batch's gradient rows until the step commits them.
 
-        Copies: a compiled graph may reuse ``rows``' storage as soon as this returns.
+        Copies: a compiled graph may reuse ``rows``' storage as soon as this returns. With one
+        rank the unselected rows go to the host at once; with several they stay on the device
+        until the step reduces them and brings only this rank's chunk over.
         """
         selected, unselected = rows[: self.k], rows[self.k :]
         if self.micro_batches == 0:
             self.device_stage = selected.to(torch.float32, copy=True)
-            self.host_stage = torch.empty(
-                unselected.shape, dtype=rows.dtype, pin_memory=self.pin_memory
-            )
-            self.host_stage.copy_(unselected, non_blocking=self.pin_memory)
+            if self.distributed:
+                self.host_stage = unselected.to(torch.float32, copy=True)
+            else:
+                self.host_stage = torch.empty(
+                    unselected.shape, dtype=rows.dtype, pin_memory=self.pin_memory
+                )
+                self.host_stage.copy_(unselected, non_blocking=self.pin_memory)
+                self.staged_bytes += unselected.numel() * rows.element_size()
         else:
             self.device_stage += selected
             if self.host_stage.dtype != torch.float32:
                 self.host_stage = self.host_stage.float()
-            self.host_stage += unselected.to("cpu", torch.float32)
+            self.host_stage += unselected.to(self.host_stage.device, torch.float32)
+            if not self.distributed:
+                self.staged_bytes += unselected.numel() * rows.element_size()
         self.micro_batches += 1
-        self.staged_bytes += unselected.numel() * rows.element_size()
 
     def record_importance(self, scores: torch.Tensor) -> None:
         self.score_parts.append(scores.detach().clone())
@@ -96,17 +116,31 @@ class SplitWeight:
     def has_staged(self) -> bool:
         return self.micro_batches > 0
 
-    def staged_scores(self) -> torch.Tensor:
-        """Squared column norms of the staged (summed) gradient, in column order, fp32 on host.
+    def reduce_staged(self) -> None:
+        """Average the staged gradient over ranks: the selected rows everywhere, the unselected
+        ones into this rank's chunk, which alone goes to the host."""
+        if not self.distributed:
+            return
+        self.comm.all_reduce_mean_(self.device_stage)
+        mine = self.comm.reduce_scatter_mean(self.host_stage, self.unselected_counts)
+        self.host_stage = self._host(mine.cpu())
+        self.staged_bytes += self.host_stage.numel() * self.host_stage.element_size()
 
-        With one micro-batch the graph already computed them next to the gradient; after
-        accumulation they are taken from the sum, since norms of parts do not add up.
+    def staged_scores(self) -> torch.Tensor:
+        """Squared column norms of the staged (summed, reduced) gradient, in global column
+        order, fp32 on the host, identical on every rank.
+
+        With one rank and one micro-batch the graph already computed them next to the gradient;
+        otherwise they come from the reduced sum, since norms of parts do not add up.
         """
-        if self.micro_batches == 1 and len(self.score_parts) == 1:
+        if not self.distributed and self.micro_batches == 1 and len(self.score_parts) == 1:
             return self.score_parts[0].float().cpu()
         device_part = self.device_stage.square().sum(1).cpu()
-        host_part = self.host_stage.float().square().sum(1)
-        return torch.cat([device_part, host_part])
+        host_part = torch.zeros(self.columns - self.k)
+        start = sum(self.unselected_counts[: self.comm.rank])
+        mine = self.host_stage.float().square().sum(1)
+        host_part[start : start + mine.numel()] = mine
+        return torch.cat([device_part, self.comm.all_reduce_sum_(host_part)])
 
     # Selection and migration.
 
@@ -114,49 +148,87 @@ class SplitWeight:
         """Bytes of the device-resident rows: master, moments, staged gradient (fp32) and steps."""
         return self.k * (self.out * 4 * 4 + 8)
 
+    def _selected_before_block(self) -> int:
+        """Position in the selected rows of this rank's first selected column."""
+        return int((self.order[: self.k] < self.lo).sum())
+
     def reselect(self, selected_columns: torch.Tensor) -> tuple[int, int]:
         """Adopt a new selection (ascending natural column indices), moving state and staged
         gradient rows to where the new order puts them. Returns the bytes moved (to the host,
         to the device)."""
         to_host = self._device_rows_bytes()
-        self._return_device_state()
+        first = self._selected_before_block()
+        rows = slice(first, first + self.k_local)
+        self.host_master[: self.k_local] = self.device_master[rows].cpu()
+        self.host_exp_avg[: self.k_local] = self.device_exp_avg[rows].cpu()
+        self.host_exp_avg_sq[: self.k_local] = self.device_exp_avg_sq[rows].cpu()
+        self.host_steps[: self.k_local] = self.device_steps[rows].cpu()
+        if self.has_staged:
+            block_grad = torch.cat([self.device_stage[rows].cpu(), self.host_stage.float()])
+
         selected_columns = selected_columns.cpu()
         is_selected = torch.zeros(self.columns, dtype=torch.bool)
         is_selected[selected_columns] = True
-        new_order = torch.cat([selected_columns, (~is_selected).nonzero().flatten()])
-        position = torch.empty(self.columns, dtype=torch.int64)
-        position[self.order.cpu()] = torch.arange(self.columns)
-        moved = position[new_order]
+        unselected = (~is_selected).nonzero().flatten()
+        in_block = (selected_columns >= self.lo) & (selected_columns < self.hi)
+        local_selected = selected_columns[in_block]
+        local_unselected = unselected[(unselected >= self.lo) & (unselected < self.hi)]
+        new_local_order = torch.cat([local_selected, local_unselected])
+        position = torch.empty(self.hi - self.lo, dtype=torch.int64)
+        position[self.local_order - self.lo] = torch.arange(self.hi - self.lo)
+        moved = position[new_local_order - self.lo]
         for name in ("host_master", "host_exp_avg", "host_exp_avg_sq"):
             setattr(self, name, self._host(getattr(self, name)[moved]))
         self.host_steps = self.host_steps[moved]
+
+        self.k, self.k_local = selected_columns.numel(), local_selected.numel()
+        self.local_order = new_local_order
+        self.order = torch.cat([selected_columns, unselected]).to(self.param.device)
+        self.unselected_counts = [
+            int(((unselected >= lo) & (unselected < hi)).sum())
+            for lo, hi in map(self._block, range(self.comm.world_size))
+        ]
+        first = self._selected_before_block()
+        self.device_master = self._assemble_selected(self.host_master, first)
+        self.device_exp_avg = self._assemble_selected(self.host_exp_avg, first)
+        self.device_exp_avg_sq = self._assemble_selected(self.host_exp_avg_sq, first)
+        self.device_steps = self._assemble_selected(self.host_steps, first)
         if self.has_staged:
-            full = torch.cat([self.device_stage.cpu(), self.host_stage.float()])[moved]
-        self.k = selected_columns.numel()
-        self.order = new_order.to(self.param.device)
-        device = self.param.device
-        self.device_master = self.host_master[: self.k].to(device, copy=True)
-        self.device_exp_avg = self.host_exp_avg[: self.k].to(device, copy=True)
-        self.device_exp_avg_sq = self.host_exp_avg_sq[: self.k].to(device, copy=True)
-        self.device_steps = self.host_steps[: self.k].to(device, copy=True)
-        if self.has_staged:
-            self.device_stage = full[: self.k].to(device)
-            self.host_stage = self._host(full[self.k :])
+            block_grad = block_grad[moved]
+            self.device_stage = self._assemble_selected(block_grad, first)
+            self.host_stage = self._host(block_grad[self.k_local :])
             self.score_parts = []
         return to_host, self._device_rows_bytes()
 
-    def _return_device_state(self) -> None:
-        if self.k == 0:
-            return
-        self.host_master[: self.k] = self.device_master.cpu()
-        self.host_exp_avg[: self.k] = self.device_exp_avg.cpu()
-        self.host_exp_avg_sq[: self.k] = self.device_exp_avg_sq.cpu()
-        self.host_steps[: self.k] = self.device_steps.cpu()
+    def _assemble_selected(self, local_rows: torch.Tensor, first: int) -> torch.Tensor:
+        """All selected rows on the device: each rank contributes the ones it owns."""
+        full = torch.zeros(self.k, *local_rows.shape[1:], dtype=local_rows.dtype)
+        full[first : first + self.k_local] = local_rows[: self.k_local]
+        return self.comm.all_reduce_sum_(full.to(self.param.device))
 
-    def load(self, order, k: int, host: list, device: list) -> None:
-        """Adopt saved state (``order``, ``k``, host and device tensors as state_dict lists)."""
-        self.k = k
+    # Writing updated values into the parameter the model computes with.
+
+    def write_selected(self) -> None:
+        as_matrix(self.param.data).index_copy_(
+            1, self.order[: self.k], self.device_master.t().to(self.param.dtype)
+        )
+
+    def write_unselected(self) -> int:
+        """Send this rank's unselected host rows, gathered from every rank, into the parameter;
+        returns the bytes received by the device."""
+        mine = self.host_master[self.k_local :].to(self.param.dtype)
+        rows = self.comm.all_gather_rows(mine, self.unselected_counts)
+        as_matrix(self.param.data).index_copy_(
+            1, self.order[self.k :], rows.to(self.param.device, non_blocking=self.pin_memory).t()
+        )
+        return rows.numel() * rows.element_size()
+
+    def load(self, order, local_order, k: int, k_local: int, counts, host: list, device: list):
+        """Adopt saved state (as ``ZenFlowAdamW.state_dict`` lists it)."""
+        self.k, self.k_local = k, k_local
         self.order = order.to(self.param.device)
+        self.local_order = local_order.clone()
+        self.unselected_counts = list(counts)
         master, exp_avg, exp_avg_sq, steps = host
         self.host_master = self._host(master.clone())
         self.host_exp_avg = self._host(exp_avg.clone())
@@ -167,19 +239,3 @@ class SplitWeight:
             device_tensors
         )
         self.discard_staged()
-
-    # Writing updated values into the parameter the model computes with.
-
-    def write_selected(self) -> None:
-        as_matrix(self.param.data).index_copy_(
-            1, self.order[: self.k], self.device_master.t().to(self.param.dtype)
-        )
-
-    def write_unselected(self, values: torch.Tensor) -> int:
-        """Copy host rows ``[k:]`` (fp32 master or its 16-bit copy) into the parameter; returns
-        the bytes sent to the device."""
-        rows = values.to(self.param.device, non_blocking=self.pin_memory)
-        as_matrix(self.param.data).index_copy_(
-            1, self.order[self.k :], rows.t().to(self.param.dtype)
-        )
-        return values.numel() * values.element_size()

@@ -1,0 +1,44 @@
+"""A data-parallel training run for tests: ``run(rank, world_size, port, out_dir, settings)``.
+
+Each rank trains on its slice of every global batch; rank 0 saves the final parameters and
+every rank its host-state size, for the test to compare with a single-process run.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from tests.models import batches, build, loss_of
+from zenflow.optimizer import ZenFlowAdamW
+
+
+def train(world_size: int, rank: int, settings: dict) -> tuple[torch.nn.Module, ZenFlowAdamW]:
+    settings = dict(settings)
+    compiled = settings.pop("compiled", False)
+    model = build("mlp")
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **settings)
+    forward = (
+        torch.compile(model, backend="zenflow", options={"inner": "eager"}) if compiled else model
+    )
+    for inputs, targets in batches("mlp", 12):
+        shard = slice(rank * len(inputs) // world_size, (rank + 1) * len(inputs) // world_size)
+        opt.zero_grad()
+        loss_of("mlp", forward, inputs[shard], targets[shard]).backward()
+        opt.step()
+    opt.flush()
+    return model, opt
+
+
+def run(rank: int, world_size: int, port: int, out_dir: str, settings: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        model, opt = train(world_size, rank, settings)
+        host_elements = sum(w.host_master.numel() for w in opt.weights)
+        torch.save(
+            {"params": [p.detach() for p in model.parameters()], "host": host_elements},
+            os.path.join(out_dir, f"rank{rank}.pt"),
+        )
+    finally:
+        dist.destroy_process_group()

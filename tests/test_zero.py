@@ -1,0 +1,59 @@
+"""ZeRO-1/2 partitions: two gloo processes equal one process on the same global batch."""
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch.testing import assert_close
+
+from tests.distributed_worker import run, train
+from tests.models import batches, build, loss_of
+from zenflow.reference import ReferenceZenFlowAdamW
+
+SCHEDULE = dict(lr=1e-2, topk_ratio=0.25, update_interval=2, select_interval=4)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_ranks(tmp_path, settings) -> list[dict]:
+    mp.spawn(run, args=(2, free_port(), str(tmp_path), settings), nprocs=2, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(zero_stage=1),
+        dict(zero_stage=2),
+        dict(zero_stage=2, overlap_step=True, compiled=True),
+        dict(zero_stage=1, overlap_step=True, max_grad_norm=0.05),
+    ],
+    ids=["stage1", "stage2", "stage2-overlap-compiled", "stage1-overlap-clipped"],
+)
+def test_two_ranks_equal_one_rank_and_the_reference(tmp_path, settings):
+    settings = {**SCHEDULE, **settings}
+    ranks = two_ranks(tmp_path, settings)
+    single, single_opt = train(1, 0, settings)
+    assert_close(
+        ranks[0]["params"], [p.detach() for p in single.parameters()], rtol=1e-5, atol=1e-6
+    )
+
+    oracle_model = build("mlp")
+    reference_settings = {k: v for k, v in settings.items() if k not in ("zero_stage", "compiled")}
+    oracle = ReferenceZenFlowAdamW(oracle_model.parameters(), **reference_settings)
+    for inputs, targets in batches("mlp", 12):
+        oracle.zero_grad()
+        loss_of("mlp", oracle_model, inputs, targets).backward()
+        oracle.step()
+    oracle.flush()
+    assert_close(ranks[0]["params"], list(oracle_model.parameters()), rtol=1e-5, atol=1e-6)
+
+    # Each rank holds the host state of half the columns.
+    single_host = sum(w.host_master.numel() for w in single_opt.weights)
+    assert ranks[0]["host"] + ranks[1]["host"] == single_host
+    assert all(abs(r["host"] - single_host / 2) <= single_host * 0.1 for r in ranks)

@@ -1,0 +1,76 @@
+"""Data-parallel collectives for ZenFlow's ZeRO-1/2 partitions, over ``torch.distributed``.
+
+Gradients are averaged across ranks. Host state is partitioned by whole columns: each rank owns
+a contiguous block of every weight's columns. Row chunks that differ in size between ranks are
+padded to the largest, so the equal-size collectives (``reduce_scatter_tensor``,
+``all_gather_into_tensor``) serve them; gloo (CPU) and NCCL (GPU) both provide those. With one
+process every call is the identity.
+"""
+
+import torch
+import torch.distributed as dist
+
+
+class DataParallel:
+    def __init__(self, zero_stage: int = 2, group=None):
+        if zero_stage not in (1, 2):
+            raise ValueError(f"zero_stage must be 1 or 2, got {zero_stage}")
+        self.zero_stage = zero_stage
+        self.group = group
+        distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(group) if distributed else 1
+        self.rank = dist.get_rank(group) if distributed else 0
+
+    def block(self, columns: int, rank: int | None = None) -> tuple[int, int]:
+        """The natural column range ``[lo, hi)`` whose host state ``rank`` owns."""
+        rank = self.rank if rank is None else rank
+        return rank * columns // self.world_size, (rank + 1) * columns // self.world_size
+
+    def all_reduce_mean_(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(tensor, group=self.group)
+            tensor /= self.world_size
+        return tensor
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def _padded(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``rows`` (the concatenation of chunks of ``counts`` rows) as equal chunks."""
+        width = max(counts)
+        padded = rows.new_zeros(self.world_size * width, *rows.shape[1:])
+        start = 0
+        for r, count in enumerate(counts):
+            padded[r * width : r * width + count] = rows[start : start + count]
+            start += count
+        return padded
+
+    def reduce_scatter_mean(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """This rank's chunk of the mean over ranks of ``rows`` (chunk r has ``counts[r]`` rows).
+
+        Stage 2 reduce-scatters, so no rank holds the whole reduced gradient; stage 1
+        all-reduces everything and keeps its chunk.
+        """
+        start = sum(counts[: self.rank])
+        mine = slice(start, start + counts[self.rank])
+        if self.world_size == 1:
+            return rows[mine]
+        if self.zero_stage == 1:
+            return self.all_reduce_mean_(rows.clone())[mine]
+        width = max(counts)
+        out = rows.new_empty(width, *rows.shape[1:])
+        dist.reduce_scatter_tensor(out, self._padded(rows, counts), group=self.group)
+        return (out[: counts[self.rank]] / self.world_size).contiguous()
+
+    def all_gather_rows(self, mine: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every rank's chunk, concatenated in rank order."""
+        if self.world_size == 1:
+            return mine
+        width = max(counts)
+        local = mine.new_zeros(width, *mine.shape[1:])
+        local[: counts[self.rank]] = mine
+        gathered = mine.new_empty(self.world_size * width, *mine.shape[1:])
+        dist.all_gather_into_tensor(gathered, local, group=self.group)
+        return torch.cat([gathered[r * width : r * width + c] for r, c in enumerate(counts)])
