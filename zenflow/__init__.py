@@ -15,6 +15,7 @@ _PUBLIC = {
     "ReferenceZenFlowAdamW": "zenflow.reference",
     "CPUAdamW": "zenflow.cpu_adamw",
     "ZenFlowAdamW": "zenflow.optimizer",
+    "initialize": "zenflow.runtime.engine",
 }
 
 __all__ = sorted(_PUBLIC)

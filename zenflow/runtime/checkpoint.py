@@ -1,0 +1,123 @@
+"""Checkpoint files on disk: one file per rank, a commit marker, and ``latest``.
+
+Layout of ``save_checkpoint(save_dir, tag)``::
+
+    <save_dir>/<tag>/rank<r>.pt     everything rank r needs to resume (written by rank r)
+    <save_dir>/<tag>/COMMITTED      JSON {"world_size": n}; written by rank 0 after every rank's
+                                    file is in place: a tag without it is incomplete
+    <save_dir>/latest               the name of the last committed tag
+
+Every file is written to a temporary name, flushed to disk and renamed, so a crash leaves either
+the old file or the new one, never half of one. The marker is written only after a barrier, and
+``latest`` only after the marker, so ``latest`` never names a tag that was not committed (while
+a tag is being overwritten its old marker is removed first: a crash then leaves it refused, not
+mixed).
+
+Checkpoints are pickles read with ``weights_only=False``, as DeepSpeed's are (``client_state``
+may hold any picklable object): load only checkpoints you trust.
+"""
+
+import json
+import os
+import pickle
+
+import torch
+import torch.distributed as dist
+
+MARKER = "COMMITTED"
+LATEST = "latest"
+
+
+def rank_file(save_dir: str | os.PathLike, tag: str, rank: int) -> str:
+    return os.path.join(save_dir, tag, f"rank{rank}.pt")
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def write_atomically(path: str, write) -> None:
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "wb") as file:
+        write(file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def save(
+    save_dir: str | os.PathLike,
+    tag: str,
+    state: dict,
+    rank: int,
+    world_size: int,
+    save_latest: bool,
+) -> str:
+    """Write this rank's ``state`` under ``tag`` and commit the tag (collective: every rank
+    calls it). Returns this rank's file."""
+    if not tag or os.sep in tag or tag in (".", ".."):
+        raise ValueError(f"checkpoint tag must be a plain directory name, got {tag!r}")
+    directory = os.path.join(save_dir, tag)
+    if rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        marker = os.path.join(directory, MARKER)
+        if os.path.exists(marker):
+            os.remove(marker)  # overwriting this tag: it is incomplete until committed again
+    _barrier()
+    path = rank_file(save_dir, tag, rank)
+    write_atomically(path, lambda file: torch.save(state, file))
+    _barrier()
+    if rank == 0:
+        marker_text = json.dumps({"world_size": world_size}).encode()
+        write_atomically(os.path.join(directory, MARKER), lambda file: file.write(marker_text))
+        if save_latest:
+            latest = os.path.join(save_dir, LATEST)
+            write_atomically(latest, lambda file: file.write(tag.encode()))
+    _barrier()
+    return path
+
+
+def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> str | None:
+    """``tag``, or the one ``latest`` names; None when there is nothing to load."""
+    if tag is not None:
+        return tag if os.path.isdir(os.path.join(load_dir, tag)) else None
+    try:
+        with open(os.path.join(load_dir, LATEST), encoding="utf-8") as file:
+            return file.read().strip()
+    except FileNotFoundError:
+        return None
+
+
+def load(load_dir: str | os.PathLike, tag: str, rank: int, world_size: int) -> tuple[str, dict]:
+    """This rank's saved state under a committed ``tag``: (its path, the state)."""
+    directory = os.path.join(load_dir, tag)
+    try:
+        with open(os.path.join(directory, MARKER), encoding="utf-8") as file:
+            saved_world_size = json.load(file)["world_size"]
+    except FileNotFoundError:
+        raise RuntimeError(
+            f"checkpoint tag {tag!r} ({directory}) is incomplete: it has no {MARKER} marker, "
+            "so saving it did not finish on every rank; load another tag"
+        ) from None
+    if saved_world_size != world_size:
+        raise RuntimeError(
+            f"checkpoint {directory} was saved by {saved_world_size} processes and this run has "
+            f"{world_size}; resuming at another world size is not supported yet: launch "
+            f"{saved_world_size} processes"
+        )
+    path = rank_file(load_dir, tag, rank)
+    try:
+        # Onto the CPU: the engine moves each piece to where its owner keeps it.
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise RuntimeError(
+            f"checkpoint file {path} is missing although tag {tag!r} is committed; the "
+            "checkpoint directory was modified after saving"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as error:
+        raise RuntimeError(
+            f"checkpoint file {path} is truncated or corrupted and cannot be loaded ({error}); "
+            "load another tag"
+        ) from error
+    return path, state

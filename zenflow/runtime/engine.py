@@ -1,0 +1,487 @@
+"""The DeepSpeed-compatible engine: ``zenflow.initialize`` and the ``Engine`` it returns.
+
+    engine, optimizer, loader, scheduler = zenflow.initialize(
+        model=model, model_parameters=model.parameters(), config="ds_config.json")
+    for batch in loader:
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()
+
+The same call shape, return tuple, JSON config and step semantics as ``deepspeed.initialize``:
+``backward`` scales the loss by 1 / gradient_accumulation_steps (and the fp16 loss scale);
+``step`` counts micro-steps and runs the optimizer and the LR schedule only at the end of each
+accumulation window.
+
+Which optimizer the config asks for:
+
+* a ``zero_optimization.zenflow`` block: ``ZenFlowAdamW`` with the block's settings;
+* no block, ``offload_optimizer.device`` "cpu" (ZeRO-Offload): ``ZenFlowAdamW`` with
+  topk_ratio 0 and update_interval 1, which is exactly offloaded AdamW;
+* no block, no offload, bf16 or fp16: ``ZenFlowAdamW`` with topk_ratio 1 (AdamW on the device
+  with fp32 masters, the role of DeepSpeed's mixed-precision optimizers);
+* otherwise ``torch.optim.AdamW``: the plain baseline.
+
+``ZenFlowAdamW``'s device step is built eager: a run that is not compiled pays no Inductor
+compile time. ``engine.compile()`` switches it to Inductor when the model itself is compiled
+with Inductor (``options={"inner": "eager"}`` keeps both eager).
+"""
+
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from zenflow.config import ConfigError, ZenFlowConfig, build_lr_scheduler, load_config
+from zenflow.notices import notice
+from zenflow.optimizer import ZenFlowAdamW
+from zenflow.runtime import checkpoint
+from zenflow.runtime.loss_scaler import LossScaler
+from zenflow.runtime.selective_step import compiled_selective_adamw
+
+# Set by torchrun and by the deepspeed launcher.
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+
+# Mixed precision without offload: every column is selected at the first step and stays
+# selected, so the selection is never recomputed (a reselection would only move state around).
+_SELECT_ONCE = 2**62
+
+_CHECKPOINT_FORMAT = "zenflow.Engine/1"
+
+
+def initialize(
+    *,
+    model: torch.nn.Module,
+    model_parameters=None,
+    config: dict | str | os.PathLike | None = None,
+    training_data: torch.utils.data.Dataset | None = None,
+    lr_scheduler=None,
+    args=None,
+    collate_fn=None,
+):
+    """Build the engine for ``model`` from a DeepSpeed config, like ``deepspeed.initialize``.
+
+    ``config`` is a dict or the path of a JSON file; alternatively ``args.deepspeed_config``
+    (as DeepSpeed's launcher scripts pass it). ``model_parameters`` is an iterable of parameters
+    or of param-group dicts (default: all of the model's). ``lr_scheduler`` is a scheduler or a
+    callable that builds one from the optimizer; it takes precedence over the config's. With
+    ``training_data`` a DataLoader of micro-batches is built (``collate_fn`` passed through).
+
+    Returns ``(engine, optimizer, dataloader, lr_scheduler)``; the last two may be None.
+    Arguments are keyword-only: DeepSpeed's positional order differs from this one.
+    """
+    from_args = getattr(args, "deepspeed_config", None)
+    if from_args is not None:
+        if config is not None:
+            raise ValueError(
+                "two configs given: args.deepspeed_config and config=; pass only one of them"
+            )
+        config = from_args
+    if config is None:
+        raise ValueError("no config: pass config= (a dict or a JSON path) or args.deepspeed_config")
+    _init_distributed()
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    # --- Single process only until ZeRO partitioning lands in ZenFlowAdamW; remove this check
+    # --- then (the rest of the engine already passes rank and world size through).
+    if world_size > 1:
+        raise NotImplementedError("multi-process training arrives with ZeRO partitioning")
+    engine = Engine(
+        model,
+        model_parameters,
+        load_config(config, world_size=world_size),
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        collate_fn=collate_fn,
+    )
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _init_distributed() -> None:
+    """Join the process group a launcher set up (gloo on CPU, nccl on CUDA), once."""
+    if dist.is_initialized() or not all(name in os.environ for name in _LAUNCHER_ENV):
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Engine:
+    """Wraps the model, its optimizer, LR schedule, loss scaler and data loader.
+
+    Counters (DeepSpeed's names): ``global_steps`` optimizer steps taken (skipped ones
+    included, as in DeepSpeed), ``micro_steps`` calls of ``step()``, ``skipped_steps`` steps
+    skipped for a non-finite gradient.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_parameters,
+        config: ZenFlowConfig,
+        *,
+        training_data=None,
+        lr_scheduler=None,
+        collate_fn=None,
+    ):
+        self.module = model.to(_device())
+        self.training_dataloader = None
+        steps_per_epoch = None
+        if training_data is not None:
+            self.training_dataloader = _dataloader(
+                training_data, config.micro_batch_size, collate_fn
+            )
+            steps_per_epoch = _steps_per_epoch(
+                self.training_dataloader, config.gradient_accumulation_steps
+            )
+        self.config = config.with_steps_per_epoch(steps_per_epoch)
+        params = model.parameters() if model_parameters is None else model_parameters
+        # Built on the fp32 parameters: ZenFlowAdamW takes its fp32 masters from them.
+        self.optimizer = _build_optimizer(self.config, params)
+        self._cast_to_16_bit()
+        if lr_scheduler is None:
+            self.lr_scheduler = build_lr_scheduler(self.config, self.optimizer)
+        elif callable(lr_scheduler):  # as DeepSpeed: a callable builds it from the optimizer
+            self.lr_scheduler = lr_scheduler(self.optimizer)
+        else:
+            self.lr_scheduler = lr_scheduler
+        self.loss_scaler = LossScaler.from_config(self.config.fp16)
+        self._forward = self.module
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._backward_in_window = False
+
+    def _cast_to_16_bit(self) -> None:
+        dtype = self._16_bit_dtype() if self._mixed_precision() else None
+        if dtype is None:
+            return
+        if torch.__future__.get_overwrite_module_params_on_conversion():
+            raise RuntimeError(
+                "torch.__future__.set_overwrite_module_params_on_conversion(True) makes "
+                "module.to() replace parameters, which would detach them from the optimizer; "
+                "turn it off for bf16/fp16 training"
+            )
+        # In place: the Parameter objects the optimizer holds stay the model's.
+        self.module.to(dtype)
+
+    def _mixed_precision(self) -> bool:
+        return self.config.bf16.enabled or self.config.fp16.enabled
+
+    def _16_bit_dtype(self) -> torch.dtype:
+        return torch.float16 if self.config.fp16.enabled else torch.bfloat16
+
+    # Training.
+
+    def __call__(self, *args, **kwargs):
+        return self._forward(*args, **kwargs)
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backpropagate ``loss`` / gradient_accumulation_steps (times the fp16 loss scale).
+        Returns the loss divided by gradient_accumulation_steps, as DeepSpeed does."""
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            raise RuntimeError(
+                "engine.backward(loss): the loss does not require grad (was it computed under "
+                "torch.no_grad(), or detached?); pass the loss returned by the forward pass"
+            )
+        loss = loss.float() / self.gradient_accumulation_steps()
+        (loss * self.loss_scaler.scale).backward()
+        self._backward_in_window = True
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next ``step()`` ends an accumulation window (runs the optimizer)."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def step(self) -> None:
+        """End a micro-step; at the end of an accumulation window take an optimizer step."""
+        if not self._backward_in_window:
+            raise RuntimeError(
+                "engine.step() before any engine.backward() in this gradient accumulation "
+                "window: call engine.backward(loss) first"
+            )
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        skipped = self._optimizer_step()
+        self.loss_scaler.update(overflow=skipped)
+        if skipped:
+            self.skipped_steps += 1
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step()  # as DeepSpeed: a skipped step does not advance the schedule
+        self.zero_grad()
+        self.global_steps += 1
+
+    def _optimizer_step(self) -> bool:
+        """Run the optimizer; returns whether the step was skipped (non-finite gradient)."""
+        if isinstance(self.optimizer, ZenFlowAdamW):
+            # Clipping (max_grad_norm) and unscaling happen inside, after the overflow check.
+            self.optimizer.step(grad_divisor=self.loss_scaler.scale)
+            return self.optimizer.last_step_skipped
+        if self.config.gradient_clipping > 0:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.gradient_clipping)
+        self.optimizer.step()
+        return False
+
+    def zero_grad(self) -> None:
+        """Drop the gradients of the current accumulation window."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.module.zero_grad(set_to_none=True)
+        self._backward_in_window = False
+
+    def compile(self, backend: str = "zenflow", **kwargs) -> None:
+        """``torch.compile`` the module (``kwargs`` go to torch.compile); calls of the engine go
+        through the compiled module, ``engine.module`` stays the original."""
+        self._forward = torch.compile(self.module, backend=backend, **kwargs)
+        inner = (kwargs.get("options") or {}).get("inner", "inductor")
+        uses_inductor = backend == "inductor" or (backend == "zenflow" and inner == "inductor")
+        if isinstance(self.optimizer, ZenFlowAdamW) and uses_inductor:
+            # ZenFlowAdamW fixes its step backend when built and has no public switch yet.
+            self.optimizer._device_step = compiled_selective_adamw("inductor")
+
+    def flush(self) -> None:
+        """Apply every pending ZenFlow update (overlapped CPU update, open window)."""
+        if isinstance(self.optimizer, ZenFlowAdamW):
+            self.optimizer.flush()
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    # Settings and numbers.
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def stats(self) -> dict:
+        """The optimizer's stats (ZenFlowAdamW's; none for torch AdamW) and the engine's."""
+        stats = self.optimizer.stats() if isinstance(self.optimizer, ZenFlowAdamW) else {}
+        stats.update(
+            global_steps=self.global_steps,
+            micro_steps=self.micro_steps,
+            skipped_steps=self.skipped_steps,
+            loss_scale=self.loss_scaler.scale,
+        )
+        return stats
+
+    # Checkpoints (layout: zenflow.runtime.checkpoint).
+
+    def save_checkpoint(
+        self, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True
+    ) -> bool:
+        """Save everything needed to resume exactly; ``tag`` defaults to global_step<N>.
+
+        Collective: every rank calls it. Only between accumulation windows (after the step()
+        that ends one): accumulated gradients are not part of a checkpoint.
+        """
+        if self._backward_in_window or self.micro_steps % self.gradient_accumulation_steps():
+            raise RuntimeError(
+                "save_checkpoint() inside a gradient accumulation window: the gradients "
+                "accumulated so far would be lost; save after the step() that ends the window"
+            )
+        state = {
+            "format": _CHECKPOINT_FORMAT,
+            "module": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "counters": {
+                "global_steps": self.global_steps,
+                "micro_steps": self.micro_steps,
+                "skipped_steps": self.skipped_steps,
+            },
+            "rng": _rng_state(),
+            "client_state": client_state or {},
+        }
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        checkpoint.save(save_dir, tag, state, _rank(), self.config.world_size, save_latest)
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        *,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+    ):
+        """Resume from a committed checkpoint (``tag`` None: the one ``latest`` names).
+
+        Returns ``(path of this rank's file, client_state)``, or ``(None, None)`` when there is
+        no checkpoint to load.
+        """
+        resolved = checkpoint.resolve_tag(load_dir, None if tag is None else str(tag))
+        if resolved is None:
+            notice(f"no checkpoint to load in {os.fspath(load_dir)} (tag {tag!r})")
+            return None, None
+        if not load_optimizer_states and isinstance(self.optimizer, ZenFlowAdamW):
+            raise ValueError(
+                "load_optimizer_states=False with ZenFlowAdamW: its fp32 master weights are "
+                "optimizer state, so the model cannot resume without it; load them too"
+            )
+        path, state = checkpoint.load(load_dir, resolved, _rank(), self.config.world_size)
+        if not isinstance(state, dict) or state.get("format") != _CHECKPOINT_FORMAT:
+            raise RuntimeError(f"{path} is not a {_CHECKPOINT_FORMAT} checkpoint")
+        self.zero_grad()
+        # The optimizer first: loading it applies this engine's own pending updates to the
+        # parameters, which the module's saved values then replace.
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.module.load_state_dict(state["module"])
+        if load_lr_scheduler_states and self.lr_scheduler is not None:
+            if state["lr_scheduler"] is None:
+                raise RuntimeError(f"{path} holds no LR scheduler state for this run's scheduler")
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.loss_scaler.load_state_dict(state["loss_scaler"])
+        counters = state["counters"]
+        self.global_steps = counters["global_steps"]
+        self.micro_steps = counters["micro_steps"]
+        self.skipped_steps = counters["skipped_steps"]
+        _set_rng_state(state["rng"])
+        return path, state["client_state"]
+
+    # Export.
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+        """Write the module's state dict in 16 bits (fp16 when fp16 is on, else bf16), after
+        applying pending updates. Rank 0 writes; returns True, as DeepSpeed."""
+        self.flush()
+        dtype = self._16_bit_dtype()
+        state = {
+            name: value.to(dtype) if value.is_floating_point() else value
+            for name, value in self.module.state_dict().items()
+        }
+        if _rank() == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            checkpoint.write_atomically(path, lambda file: torch.save(state, file))
+        return True
+
+    def consolidated_fp32_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state dict with every parameter's fp32 value, after applying pending
+        updates; loads into a plain fp32 copy of the model. Trained parameters come from the
+        optimizer's fp32 masters (not from 16-bit weights); the rest are cast from the module."""
+        self.flush()
+        masters = (
+            self.optimizer.fp32_parameters() if isinstance(self.optimizer, ZenFlowAdamW) else {}
+        )
+        state = {
+            name: value.float() if value.is_floating_point() else value
+            for name, value in self.module.state_dict().items()
+        }
+        # remove_duplicate=False: a tied parameter appears under each of its names.
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            if param in masters:
+                state[name] = masters[param]
+        return {name: value.detach().cpu().clone() for name, value in state.items()}
+
+
+def _build_optimizer(config: ZenFlowConfig, params) -> torch.optim.Optimizer:
+    hyper = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
+    block = config.zenflow
+    if block is not None:
+        if block.update_interval == "auto":
+            raise ConfigError(
+                'zero_optimization.zenflow.update_interval: "auto" is not supported by '
+                "ZenFlowAdamW yet; give the number of steps between CPU updates (e.g. 4)"
+            )
+        zenflow = dict(
+            topk_ratio=block.topk_ratio,
+            update_interval=block.update_interval,
+            select_interval=block.select_interval,
+            select_strategy=block.select_strategy,
+            steps_per_epoch=block.steps_per_epoch,
+            overlap_step=block.overlap_step,
+            offload=block.offload,
+            full_warm_up_rounds=block.full_warm_up_rounds,
+            pt_reserved_cores_perc=block.pt_reserved_cores_perc,
+        )
+    elif config.cpu_offload:
+        # ZeRO-Offload: nothing on the device, every column updated on the CPU every step.
+        zenflow = dict(topk_ratio=0.0, update_interval=1, select_interval=1)
+    elif config.bf16.enabled or config.fp16.enabled:
+        # 16-bit weights need fp32 masters (and fp16 an overflow check): AdamW on the device.
+        zenflow = dict(topk_ratio=1.0, update_interval=1, select_interval=_SELECT_ONCE)
+    else:
+        return torch.optim.AdamW(params, **hyper)
+    return ZenFlowAdamW(
+        params,
+        **hyper,
+        **zenflow,
+        max_grad_norm=config.gradient_clipping or None,  # 0 means no clipping
+        step_backend="eager",
+    )
+
+
+def _dataloader(dataset, micro_batch_size: int, collate_fn) -> torch.utils.data.DataLoader:
+    """DeepSpeed's training loader: shuffled micro-batches, each rank its own share."""
+    if dist.is_initialized():
+        sampler = torch.utils.data.DistributedSampler(dataset)
+    else:
+        sampler = torch.utils.data.RandomSampler(dataset)
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=micro_batch_size,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        pin_memory=torch.cuda.is_available(),
+    )
+
+
+def _steps_per_epoch(loader: torch.utils.data.DataLoader, accumulation: int) -> int | None:
+    """Optimizer steps per epoch, or None for a loader without a length (an iterable dataset)."""
+    try:
+        batches = len(loader)
+    except TypeError:
+        return None
+    if batches < accumulation:
+        raise ValueError(
+            f"the training data gives {batches} micro-batches per epoch, fewer than "
+            f"gradient_accumulation_steps {accumulation}: not one optimizer step per epoch; "
+            "use more data or a smaller train_micro_batch_size_per_gpu"
+        )
+    return batches // accumulation
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _rng_state() -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
