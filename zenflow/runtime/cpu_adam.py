@@ -62,6 +62,7 @@ _ABI_VERSION = 2
 _GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _OUT_DTYPES = {torch.bfloat16: 1, torch.float16: 2}
 _ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512"}
+DEFAULT_PT_RESERVED_CORES_PERC = 0.5  # ZenFlow's config default
 _WAIT_SLICE_MS = 100  # wait in slices so that Ctrl-C reaches Python during a long wait
 
 
@@ -140,7 +141,7 @@ def _load():
         lib.zf_job_error.restype = c_i64
         lib.zf_job_release.argtypes = [c_void_p]
         lib.zf_job_release.restype = None
-        lib.zf_set_num_threads(threads_from_reserved_cores(0.5))
+        lib.zf_set_num_threads(threads_from_reserved_cores(DEFAULT_PT_RESERVED_CORES_PERC))
         _lib = lib
         return lib
 
@@ -186,42 +187,44 @@ def _inject_failure_for_tests(jobs: int = 1) -> None:
 
 
 class CPUAdamHandle:
-    """A submitted job. Holds its tensors alive until the job has finished."""
+    """A submitted job. Holds its tensors alive until the job has finished. ``done()`` and
+    ``wait()`` may be called from any thread."""
 
     def __init__(self, lib, ptr: int, keepalive: list):
         self._lib = lib
-        self._ptr = ptr
-        self._keepalive = keepalive
+        self._ptr = ptr  # the C job stays valid until this handle is collected
+        self._keepalive: list | None = keepalive
         self._error: str | None = None
         self._lock = threading.Lock()
 
     def done(self) -> bool:
-        with self._lock:
-            return self._ptr is None or bool(self._lib.zf_job_done(self._ptr))
+        return bool(self._lib.zf_job_done(self._ptr))
 
     def wait(self) -> None:
         """Blocks (GIL released) until the job has finished; raises CPUAdamError if it failed,
         at this and every later call."""
+        while not self._lib.zf_job_wait(self._ptr, _WAIT_SLICE_MS):
+            pass
         with self._lock:
-            if self._ptr is not None:
-                while not self._lib.zf_job_wait(self._ptr, _WAIT_SLICE_MS):
-                    pass
+            if self._keepalive is not None:
                 buf = ctypes.create_string_buffer(1024)
                 if self._lib.zf_job_error(self._ptr, buf, len(buf)):
                     self._error = buf.value.decode(errors="replace")
-                self._lib.zf_job_release(self._ptr)
-                self._ptr = None
                 self._keepalive = None
         if self._error is not None:
             raise CPUAdamError(f"CPU AdamW worker failed: {self._error}")
 
     def __del__(self):
+        ptr = getattr(self, "_ptr", None)
+        if ptr is None:
+            return
         # Freeing the tensors of a running job would let the workers write to freed memory.
-        if getattr(self, "_ptr", None) is not None:
+        if self._keepalive is not None:
             try:
                 self.wait()
             except CPUAdamError as e:  # nobody waited: say so rather than lose the failure
                 warnings.warn(f"{e} (handle dropped without wait())", RuntimeWarning, stacklevel=1)
+        self._lib.zf_job_release(ptr)
 
 
 def _index_list(value, count: int, name: str) -> list:
