@@ -21,6 +21,9 @@ ZENFLOW_OP = re.compile(r"(torch\.ops\.zenflow\.\w+\.default\([^,]+, )(\d+)\)")
 
 
 def rewritten_backward(name: str) -> tuple[torch.nn.Module, ZenFlowAdamW, torch.fx.GraphModule]:
+    # Earlier compilations of the same code with other shapes would make Dynamo trace this
+    # one with symbolic sizes: start from a clean cache so the graph does not depend on order.
+    torch._dynamo.reset()
     model = build(name)
     opt = ZenFlowAdamW(model.parameters(), step_backend="eager")
     graphs = []
