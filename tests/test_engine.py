@@ -4,6 +4,7 @@ import argparse
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from tests import engine_worker
 from zenflow.config import ConfigError
 from zenflow.optimizer import ZenFlowAdamW
 from zenflow.reference import ReferenceZenFlowAdamW
+from zenflow.runtime.selective_step import compiled_selective_adamw
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01}
@@ -214,10 +216,12 @@ def test_loss_scaler_follows_deepspeed_hysteresis_and_window():
     assert scales == [8.0, 4.0, 2.0, 2.0, 2.0, 4.0, 4.0, 2.0, 2.0]
 
 
-def test_bf16_trains_with_fp32_masters():
+@pytest.mark.parametrize("zero", [zenflow_zero(), {"stage": 0}], ids=["zenflow", "stage0"])
+def test_bf16_trains_with_fp32_masters(zero):
     engine, optimizer, _, _ = zenflow.initialize(
-        model=mlp(), config=config(zenflow_zero(), bf16={"enabled": True})
+        model=mlp(), config=config(zero, bf16={"enabled": True})
     )
+    assert isinstance(optimizer, ZenFlowAdamW)
     assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
     assert all(v.master.dtype == torch.float32 for v in optimizer.vectors)
     assert all(w.host_master.dtype == torch.float32 for w in optimizer.weights)
@@ -383,8 +387,63 @@ def test_compile_routes_calls_through_the_compiled_module():
     module = engine.module
     engine.compile(options={"inner": "eager"})
     assert engine.module is module
+    assert engine.optimizer._device_step is compiled_selective_adamw("eager")
     train(engine, 2)
     train(reference, 2)
     for mine, theirs in zip(engine.module.parameters(), reference.module.parameters(), strict=True):
         assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
     assert engine.optimizer.weights[0].param.grad is None  # gradients came through the graph
+
+
+def test_compile_with_inductor_compiles_the_optimizer_step_too():
+    engine, *_ = zenflow.initialize(model=mlp(), config=config(zenflow_zero()))
+    engine.compile()  # compiles lazily: nothing runs here
+    # The engine reaches into ZenFlowAdamW for this (no public switch yet): keep them in step.
+    assert engine.optimizer._device_step is compiled_selective_adamw("inductor")
+
+
+def test_checkpoint_holds_loss_scale_and_counters(tmp_path):
+    engine = fp16_engine()
+    fp16_step(engine, 0)
+    fp16_step(engine, 1, overflow=True)
+    engine.save_checkpoint(tmp_path, tag="after-overflow")
+    resumed = fp16_engine()
+    path, client_state = resumed.load_checkpoint(tmp_path)
+    assert path == str(tmp_path / "after-overflow" / "rank0.pt") and client_state == {}
+    wanted = ("loss_scale", "skipped_steps", "global_steps", "micro_steps", "steps")
+    assert {k: resumed.stats()[k] for k in wanted} == {k: engine.stats()[k] for k in wanted}
+    assert resumed.stats()["loss_scale"] == 128.0
+
+
+def test_launcher_environment_initializes_torch_distributed(monkeypatch, tmp_path):
+    import torch.distributed as dist
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    launcher = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    for name, value in {**launcher, "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    samples = torch.utils.data.TensorDataset(torch.randn(16, 8), torch.randn(16, 4))
+    try:
+        engine, _, loader, _ = zenflow.initialize(
+            model=mlp(), config=config(zenflow_zero()), training_data=samples
+        )
+        assert dist.is_initialized() and dist.get_backend() == "gloo"
+        assert isinstance(loader.sampler, torch.utils.data.DistributedSampler)
+        for x, y in loader:
+            engine.backward(F.mse_loss(engine(x), y))
+            engine.step()
+        engine.save_checkpoint(tmp_path)  # the barriers run
+        assert (tmp_path / "global_step2" / "COMMITTED").exists()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_more_than_one_process_is_refused_for_now(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(NotImplementedError, match="arrives with ZeRO partitioning"):
+        zenflow.initialize(model=mlp(), config=config(zenflow_zero()))

@@ -433,6 +433,9 @@ def _build_optimizer(config: ZenFlowConfig, params) -> torch.optim.Optimizer:
         **zenflow,
         max_grad_norm=config.gradient_clipping or None,  # 0 means no clipping
         step_backend="eager",
+        # Stage 0 (mixed precision without offload) averages gradients over ranks as stage 1
+        # does; partitioning the host state as well changes no value.
+        zero_stage=max(config.zero_stage, 1),
     )
 
 
