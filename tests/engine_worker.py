@@ -54,7 +54,7 @@ def train(engine, start: int, stop: int) -> None:
             generator = torch.Generator().manual_seed(step * ACCUMULATION + micro)
             x = torch.randn(4, 8, generator=generator)
             y = torch.randn(4, 4, generator=generator)
-            engine.backward(F.mse_loss(engine(x), y))
+            engine.backward(F.mse_loss(engine(x.to(engine.device)), y.to(engine.device)))
             engine.step()
 
 

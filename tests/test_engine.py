@@ -22,6 +22,8 @@ from zenflow.reference import ReferenceZenFlowAdamW
 from zenflow.runtime.selective_step import compiled_selective_adamw
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The engine puts the model on the GPU when there is one; inputs and baselines follow it.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01}
 ZENFLOW = {"topk_ratio": 0.25, "update_interval": 2, "select_interval": 4}
 
@@ -50,7 +52,8 @@ def zenflow_zero(**settings) -> dict:
 def batch(i: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(i)
     x = torch.randn(4, 8, generator=generator)
-    return x.to(dtype), torch.randn(4, 4, generator=generator).to(dtype)
+    y = torch.randn(4, 4, generator=generator)
+    return x.to(DEVICE, dtype), y.to(DEVICE, dtype)
 
 
 def train(engine, steps: int, start: int = 0, dtype=torch.float32) -> list[float]:
@@ -86,8 +89,9 @@ def test_zenflow_config_equals_reference_with_accumulation_and_clipping():
     assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu()) == (8, 4)
     assert engine.gradient_accumulation_steps() == 2
     assert optimizer.max_grad_norm == 0.5
+    assert {p.device.type for p in engine.module.parameters()} == {engine.device.type}
 
-    model = mlp()
+    model = mlp().to(DEVICE)
     reference = ReferenceZenFlowAdamW(model.parameters(), **ADAMW, **ZENFLOW, max_grad_norm=0.5)
     for step in range(8):
         train(engine, 1, start=step)
@@ -112,7 +116,7 @@ def test_zenflow_less_configs_equal_torch_adamw(zero):
         assert (optimizer.topk_ratio, optimizer.update_interval) == (0.0, 1)
     else:
         assert type(optimizer) is torch.optim.AdamW
-    model = mlp()
+    model = mlp().to(DEVICE)
     baseline = torch.optim.AdamW(model.parameters(), **ADAMW)
     train(engine, 5)
     train_by_hand(model, baseline, 5, accumulation=2, clipping=0.5)
@@ -314,7 +318,7 @@ def test_consolidated_fp32_state_dict_loads_into_a_plain_model(precision):
     train(engine, 7, dtype=dtype)  # leaves an overlapped update pending and a window open
     state = engine.consolidated_fp32_state_dict()
     assert all(value.dtype == torch.float32 for value in state.values())
-    plain = mlp()
+    plain = mlp().to(DEVICE)
     plain.load_state_dict(state)
     x, _ = batch(100)
     if precision == "fp32":
@@ -429,10 +433,11 @@ def test_launcher_environment_initializes_torch_distributed(monkeypatch, tmp_pat
         engine, _, loader, _ = zenflow.initialize(
             model=mlp(), config=config(zenflow_zero()), training_data=samples
         )
-        assert dist.is_initialized() and dist.get_backend() == "gloo"
+        assert dist.is_initialized()
+        assert dist.get_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
         assert isinstance(loader.sampler, torch.utils.data.DistributedSampler)
         for x, y in loader:
-            engine.backward(F.mse_loss(engine(x), y))
+            engine.backward(F.mse_loss(engine(x.to(DEVICE)), y.to(DEVICE)))
             engine.step()
         engine.save_checkpoint(tmp_path)  # the barriers run
         assert (tmp_path / "global_step2" / "COMMITTED").exists()

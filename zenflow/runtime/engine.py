@@ -117,6 +117,8 @@ def _device() -> torch.device:
 class Engine:
     """Wraps the model, its optimizer, LR schedule, loss scaler and data loader.
 
+    The model is moved to ``device`` (this rank's GPU, else the CPU); inputs are the caller's
+    to move, as with DeepSpeed.
     Counters (DeepSpeed's names): ``global_steps`` optimizer steps taken (skipped ones
     included, as in DeepSpeed), ``micro_steps`` calls of ``step()``, ``skipped_steps`` steps
     skipped for a non-finite gradient.
@@ -132,7 +134,8 @@ class Engine:
         lr_scheduler=None,
         collate_fn=None,
     ):
-        self.module = model.to(_device())
+        self.device = _device()
+        self.module = model.to(self.device)
         self.training_dataloader = None
         steps_per_epoch = None
         if training_data is not None:
