@@ -452,3 +452,19 @@ def test_more_than_one_process_is_refused_for_now(monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     with pytest.raises(NotImplementedError, match="arrives with ZeRO partitioning"):
         zenflow.initialize(model=mlp(), config=config(zenflow_zero()))
+
+
+def test_model_parameters_as_param_groups():
+    model = mlp()
+    biases = [p for p in model.parameters() if p.dim() == 1]
+    weights = [p for p in model.parameters() if p.dim() == 2]
+    groups = [{"params": weights}, {"params": biases, "lr": 0.0}]
+    engine, optimizer, _, _ = zenflow.initialize(
+        model=model, model_parameters=groups, config=config(zenflow_zero())
+    )
+    before = [p.clone() for p in biases + weights]
+    train(engine, 2)
+    assert engine.get_lr() == [ADAMW["lr"], 0.0]
+    # lr 0 still decays nothing and moves nothing; the weights do train.
+    assert all(torch.equal(b, p) for b, p in zip(before[:2], biases, strict=True))
+    assert not any(torch.equal(b, p) for b, p in zip(before[2:], weights, strict=True))

@@ -82,8 +82,9 @@ def initialize(
         raise ValueError("no config: pass config= (a dict or a JSON path) or args.deepspeed_config")
     _init_distributed()
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    # --- Single process only until ZeRO partitioning lands in ZenFlowAdamW; remove this check
-    # --- then (the rest of the engine already passes rank and world size through).
+    # --- Single process only, for now. ZenFlowAdamW partitions its host state across ranks, but
+    # --- the engine is not tested there yet, and its torch.optim.AdamW path does not average
+    # --- gradients over ranks. Remove this check together with adding 2-process engine tests.
     if world_size > 1:
         raise NotImplementedError("multi-process training arrives with ZeRO partitioning")
     engine = Engine(
@@ -119,6 +120,7 @@ class Engine:
 
     The model is moved to ``device`` (this rank's GPU, else the CPU); inputs are the caller's
     to move, as with DeepSpeed.
+
     Counters (DeepSpeed's names): ``global_steps`` optimizer steps taken (skipped ones
     included, as in DeepSpeed), ``micro_steps`` calls of ``step()``, ``skipped_steps`` steps
     skipped for a non-finite gradient.
@@ -164,8 +166,7 @@ class Engine:
         self._backward_in_window = False
 
     def _cast_to_16_bit(self) -> None:
-        dtype = self._16_bit_dtype() if self._mixed_precision() else None
-        if dtype is None:
+        if not self._mixed_precision():
             return
         if torch.__future__.get_overwrite_module_params_on_conversion():
             raise RuntimeError(
@@ -174,7 +175,7 @@ class Engine:
                 "turn it off for bf16/fp16 training"
             )
         # In place: the Parameter objects the optimizer holds stay the model's.
-        self.module.to(dtype)
+        self.module.to(self._16_bit_dtype())
 
     def _mixed_precision(self) -> bool:
         return self.config.bf16.enabled or self.config.fp16.enabled
