@@ -468,3 +468,32 @@ def test_model_parameters_as_param_groups():
     # lr 0 still decays nothing and moves nothing; the weights do train.
     assert all(torch.equal(b, p) for b, p in zip(before[:2], biases, strict=True))
     assert not any(torch.equal(b, p) for b, p in zip(before[2:], weights, strict=True))
+
+
+def _fp32_parameters_rank(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from tests.distributed_worker import train as train_ranks
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        settings = dict(lr=1e-2, topk_ratio=0.25, update_interval=2, select_interval=4)
+        model, optimizer = train_ranks(2, rank, {**settings, "overlap_step": True})
+        values = optimizer.fp32_parameters()
+        matches = [torch.equal(values[p], p.detach()) for p in model.parameters()]
+        torch.save(matches, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fp32_parameters_gathers_every_ranks_host_rows(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    torch.multiprocessing.spawn(
+        _fp32_parameters_rank, args=(port, str(tmp_path)), nprocs=2, join=True
+    )
+    for rank in range(2):
+        matches = torch.load(tmp_path / f"rank{rank}.pt")
+        assert matches and all(matches), f"rank {rank}: {matches}"
