@@ -381,6 +381,12 @@ def test_usage_errors_are_clear():
         loss = F.mse_loss(engine(x), y)
     with pytest.raises(RuntimeError, match="does not require grad"):
         engine.backward(loss)
+    # Two backward passes in one micro-step accumulate, as in PyTorch.
+    loss = F.mse_loss(engine(x), y)
+    engine.backward(loss, retain_graph=True)
+    once = engine.module[0].bias.grad.clone()
+    engine.backward(loss)
+    assert_close(engine.module[0].bias.grad, 2 * once)
     with pytest.raises(ConfigError, match=r"zero_optimization\.zenflow\.update_interval"):
         zenflow.initialize(model=mlp(), config=config(zenflow_zero(update_interval="auto")))
 

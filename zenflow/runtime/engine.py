@@ -190,7 +190,7 @@ class Engine:
 
     forward = __call__
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backpropagate ``loss`` / gradient_accumulation_steps (times the fp16 loss scale).
         Returns the loss divided by gradient_accumulation_steps, as DeepSpeed does."""
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
@@ -199,7 +199,7 @@ class Engine:
                 "torch.no_grad(), or detached?); pass the loss returned by the forward pass"
             )
         loss = loss.float() / self.gradient_accumulation_steps()
-        (loss * self.loss_scaler.scale).backward()
+        (loss * self.loss_scaler.scale).backward(retain_graph=retain_graph)
         self._backward_in_window = True
         return loss
 
