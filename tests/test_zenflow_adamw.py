@@ -94,7 +94,8 @@ def test_stats_count_steps_updates_and_bytes():
         (dict(select_strategy="epoch", select_interval=1), "steps_per_epoch"),
         (dict(max_grad_norm=0.0), "max_grad_norm"),
         (dict(lr=-1.0), "lr"),
-        (dict(update_interval="auto"), "update_interval"),
+        (dict(update_interval="auto", max_update_interval=0), "max_update_interval"),
+        (dict(update_interval="auto", auto_ratio=1.5), "auto_ratio"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, message):
@@ -130,3 +131,42 @@ def test_grad_divisor_unscales_before_clipping_and_update():
         assert not opt.last_step_skipped
     train(oracle_model, oracle, data)
     assert_close(list(scaled.parameters()), list(oracle_model.parameters()), rtol=1e-5, atol=1e-6)
+
+
+def teacher_task(steps: int):
+    g = torch.Generator().manual_seed(0)
+    teacher = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    for p in teacher.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.5
+    scale = torch.linspace(0.1, 2.0, 32)
+    inputs = [torch.randn(16, 32, generator=g) * scale for _ in range(steps)]
+    return [(x, teacher(x).detach()) for x in inputs]
+
+
+def train_on_teacher(data, **settings) -> tuple[float, dict]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    opt = ZenFlowAdamW(
+        model.parameters(),
+        lr=1e-2,
+        topk_ratio=0.1,
+        select_interval=16,
+        step_backend="eager",
+        **settings,
+    )
+    for x, y in data[:-20]:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    opt.flush()
+    with torch.no_grad():
+        losses = [torch.nn.functional.mse_loss(model(x), y).item() for x, y in data[-20:]]
+    return sum(losses) / len(losses), opt.stats()
+
+
+def test_auto_update_interval_trains_as_well_as_a_fixed_interval():
+    data = teacher_task(180)
+    fixed_loss, fixed = train_on_teacher(data, update_interval=4)
+    auto_loss, auto = train_on_teacher(data, update_interval="auto")
+    assert auto_loss <= 1.01 * fixed_loss
+    assert auto["cpu_updates"] != fixed["cpu_updates"]  # the rule, not a fixed period, decided

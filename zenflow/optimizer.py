@@ -22,6 +22,7 @@ from zenflow.columns import has_columns, select_top_columns, topk_count
 from zenflow.config import resolve_select_interval, zenflow_block
 from zenflow.notices import notice
 from zenflow.runtime import cpu_adam
+from zenflow.runtime.auto_interval import AutoUpdateInterval
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.selective_step import compiled_selective_adamw
 from zenflow.runtime.split_weight import SplitWeight
@@ -74,13 +75,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         weight_decay: float = 0.01,
         *,
         topk_ratio: float = 0.1,
-        update_interval: int = 4,
+        update_interval: int | str = 4,
         select_interval: int | str = "auto",
         select_strategy: str = "auto",
         steps_per_epoch: int | None = None,
         overlap_step: bool = False,
         offload: bool = False,
         full_warm_up_rounds: int = 0,
+        auto_ratio: float = 0.99,
+        max_update_interval: int = 16,
         pt_reserved_cores_perc: float = 0.5,
         max_grad_norm: float | None = None,
         step_backend: str = "inductor",
@@ -99,12 +102,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             overlap_step=overlap_step,
             offload=offload,
             full_warm_up_rounds=full_warm_up_rounds,
+            auto_ratio=float(auto_ratio),
             pt_reserved_cores_perc=float(pt_reserved_cores_perc),
         )
+        self._auto = None
+        self._scores: dict[SplitWeight, torch.Tensor] = {}
         if settings.update_interval == "auto":
-            raise ValueError(
-                "update_interval='auto' is not supported by ZenFlowAdamW yet; pass an int"
-            )
+            if max_update_interval < 1:
+                raise ValueError(f"max_update_interval must be >= 1, got {max_update_interval}")
+            self._auto = AutoUpdateInterval(settings.auto_ratio, max_update_interval)
         if offload:
             notice("zenflow.offload is not used yet: selected columns' state stays on the device")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -175,10 +181,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._norm_sq is None:
             self._collect_eager_grads()
             total = torch.zeros((), dtype=torch.float64)
+            self._scores = {}
             for w in self.weights:
                 if w.has_staged:
                     w.reduce_staged()
-                    total += w.staged_scores().double().sum()
+                    in_order = w.staged_scores()
+                    total += in_order.double().sum()
+                    self._scores[w] = torch.empty_like(in_order)
+                    self._scores[w][w.order.cpu()] = in_order
             for v in self.vectors:
                 if v.param.grad is not None:
                     self.comm.all_reduce_mean_(v.param.grad)
@@ -235,12 +245,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         s = self.committed_steps - self.full_warm_up_rounds
         if not warm_up and s % self.select_interval == 0:
             self._reselect(weights)
-        closes_window = not warm_up and (s + 1) % self.update_interval == 0
+        select_boundary = (s + 1) % self.select_interval == 0
         self._device_commit(weights, vectors, coefficient)
+        closes_window = False
         if warm_up:
             self._full_host_update(weights, coefficient)
-        else:
+        elif self._auto is None:
+            closes_window = select_boundary or (s + 1) % self.update_interval == 0
             self._accumulate(weights, coefficient, fuse_last=closes_window)
+        else:
+            self._accumulate(weights, coefficient, fuse_last=False)
+            closes_window = self._auto_window_full(weights, coefficient) or select_boundary
         for w in weights:
             self._counters["d2h_bytes"] += w.staged_bytes
             w.discard_staged()
@@ -248,8 +263,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if not warm_up:
             self.window_steps += 1
             if closes_window:
-                self._close_window(select_boundary=(s + 1) % self.select_interval == 0)
+                self._close_window(select_boundary)
         return loss
+
+    def _auto_window_full(self, weights: list[SplitWeight], coefficient: float) -> bool:
+        """update_interval "auto": this step's selected energy against the energy of the
+        accumulated unselected sum (its squared norm, summed over ranks)."""
+        accumulated = torch.tensor(
+            [float(w.accumulator.double().square().sum()) for w in weights], dtype=torch.float64
+        )
+        self.comm.all_reduce_sum_(accumulated)
+        energies = {}
+        for w, piled in zip(weights, accumulated.tolist(), strict=True):
+            selected = float(self._scores[w][w.order[: w.k].cpu()].sum()) * coefficient**2
+            energies[self.weights.index(w)] = (selected, piled, w.k, w.columns)
+        return self._auto.observe(energies)
 
     def _hyper(self, group_index: int) -> dict:
         group = self.param_groups[group_index]
@@ -264,11 +292,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def _reselect(self, weights: list[SplitWeight]) -> None:
         for w in weights:
-            in_order = w.staged_scores()
-            scores = torch.empty_like(in_order)
-            scores[w.order.cpu()] = in_order
             k = topk_count(self.topk_ratio, w.columns)
-            to_host, to_device = w.reselect(select_top_columns(scores, k))
+            to_host, to_device = w.reselect(select_top_columns(self._scores[w], k))
             # Windows are flushed at select boundaries; this rank's share of unselected
             # columns may change size with the selection.
             w.accumulator = w.spare_accumulator = None
@@ -380,6 +405,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             w.in_window = False
             w.last_grad = None
         self.window_steps = 0
+        if self._auto is not None:
+            self._auto.reset()
 
     def _apply(self, pending: _PendingUpdate) -> None:
         if pending.handle is not None:
@@ -455,6 +482,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             "committed_steps": self.committed_steps,
             "window_steps": self.window_steps,
             "counters": dict(self._counters),
+            "auto_interval": None if self._auto is None else self._auto.state_dict(),
             "weights": weights,
             "vectors": vectors,
         }
@@ -487,6 +515,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.committed_steps = state["committed_steps"]
         self.window_steps = state["window_steps"]
         self._counters.update(state["counters"])
+        if self._auto is not None:
+            self._auto.load_state_dict(state["auto_interval"])
         pending = []
         for w, saved in zip(self.weights, state["weights"], strict=True):
             w.load(
