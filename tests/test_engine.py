@@ -56,17 +56,13 @@ def batch(i: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     return x.to(DEVICE, dtype), y.to(DEVICE, dtype)
 
 
-def train(engine, steps: int, start: int = 0, dtype=torch.float32) -> list[float]:
-    losses = []
+def train(engine, steps: int, start: int = 0, dtype=torch.float32) -> None:
     accumulation = engine.gradient_accumulation_steps()
     for step in range(start, start + steps):
         for micro in range(accumulation):
             x, y = batch(step * accumulation + micro, dtype)
-            loss = F.mse_loss(engine(x), y)
-            engine.backward(loss)
+            engine.backward(F.mse_loss(engine(x), y))
             engine.step()
-            losses.append(loss.item())
-    return losses
 
 
 def train_by_hand(model, optimizer, steps: int, accumulation: int, clipping=0.0, start=0):
