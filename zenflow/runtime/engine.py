@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from zenflow.config import ConfigError, ZenFlowConfig, build_lr_scheduler, load_config
+from zenflow.config import ZenFlowConfig, build_lr_scheduler, load_config
 from zenflow.notices import notice
 from zenflow.optimizer import ZenFlowAdamW
 from zenflow.runtime import checkpoint
@@ -407,14 +407,10 @@ def _build_optimizer(config: ZenFlowConfig, params) -> torch.optim.Optimizer:
     hyper = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
     block = config.zenflow
     if block is not None:
-        if block.update_interval == "auto":
-            raise ConfigError(
-                'zero_optimization.zenflow.update_interval: "auto" is not supported by '
-                "ZenFlowAdamW yet; give the number of steps between CPU updates (e.g. 4)"
-            )
         zenflow = dict(
             topk_ratio=block.topk_ratio,
             update_interval=block.update_interval,
+            auto_ratio=block.auto_ratio,  # max_update_interval is not a DeepSpeed key: default
             select_interval=block.select_interval,
             select_strategy=block.select_strategy,
             steps_per_epoch=block.steps_per_epoch,
