@@ -479,6 +479,10 @@ def test_optimizer_rejects_unsupported_params():
         CPUAdamW([torch.zeros(4, 4).t().requires_grad_()])
     with pytest.raises(ValueError, match="param 0 of param group 1 is on meta"):
         CPUAdamW([{"params": [torch.zeros(2)]}, {"params": [torch.zeros(2, device="meta")]}])
+    p = torch.zeros(2, 2, requires_grad=True)
+    p.grad = torch.zeros(2, 2).t()
+    with pytest.raises(ValueError, match="gradient of param 0 of param group 0 is not contiguous"):
+        CPUAdamW([p]).step()
 
 
 def test_missing_library_says_how_to_build(monkeypatch):

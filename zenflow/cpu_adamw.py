@@ -99,8 +99,8 @@ class CPUAdamW(torch.optim.Optimizer):
         """Submits the update of every parameter with a gradient and returns at once."""
         self._finish_pending()
         jobs = []
-        for group in self.param_groups:
-            job = self._group_job(group)
+        for group_index, group in enumerate(self.param_groups):
+            job = self._group_job(group, group_index)
             if job is not None:
                 jobs.append(job)
         handles = []
@@ -117,16 +117,19 @@ class CPUAdamW(torch.optim.Optimizer):
         self._pending = CPUAdamWStepHandle(handles)
         return self._pending
 
-    def _group_job(self, group: dict):
+    def _group_job(self, group: dict, group_index: int):
         for option in ("amsgrad", "maximize"):  # present in state dicts from torch's AdamW
             if group.get(option):
                 raise ValueError(f"CPUAdamW does not implement {option}=True")
         params, grads, exp_avgs, exp_avg_sqs, steps, step_tensors = [], [], [], [], [], []
-        for p in group["params"]:
+        for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
+            where = f"CPUAdamW: the gradient of param {i} of param group {group_index}"
             if p.grad.is_sparse:
-                raise TypeError("CPUAdamW does not support sparse gradients")
+                raise TypeError(f"{where} is sparse; CPUAdamW needs dense gradients")
+            if not p.grad.is_contiguous():
+                raise ValueError(f"{where} is not contiguous; CPUAdamW needs contiguous tensors")
             state = self.state[p]
             if not state:
                 state["step"] = torch.tensor(0.0)
