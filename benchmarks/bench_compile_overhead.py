@@ -1,0 +1,246 @@
+"""What the zenflow backend adds to a compiled backward, and what the optimizer step costs.
+
+    .venv/bin/python benchmarks/bench_compile_overhead.py [--quick] [--iters 20]
+        [--vocab 4096] [--width 256] [--layers 2] [--heads 4] [--seq 128] [--batch 4]
+
+A GPT-style model (token + position embeddings, pre-LN blocks with
+F.scaled_dot_product_attention, LM head tied to the token embedding) is compiled twice, in one
+process: with backend "inductor", and with backend "zenflow" plus a ZenFlowAdamW (step_backend
+"eager") that owns its weights, so the zenflow backward also gathers each weight's gradient
+columns into the runtime's order, computes per-column importance and stages the rows. Forward
+passes are not timed; backward passes of the two alternate (noise hits both alike) and
+``opt.zero_grad()`` (zenflow) / ``model.zero_grad()`` (inductor) discards the gradients between
+iterations. Table 1: median backward time and the ratio.
+
+Table 2: the zenflow optimizer's ``step()`` (topk 0.1, update_interval 4, select_interval 8,
+overlap_step) over select cycles after a first warm-up cycle, by kind of step: ordinary (device
+update + host accumulate); update (overlapped): the window closes, the previous window's CPU
+AdamW is waited for and applied and this one's is submitted to run in the background; update
+before select: the window before a select boundary closes synchronously (the CPU AdamW runs
+inside step()); select (reselection): stats()["reselections"] changes, top-k is chosen from the
+step's importance and per-column state migrates between host and device.
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zenflow
+
+SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_interval=8, overlap_step=True)
+
+
+def _args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, no Inductor (smoke)")
+    parser.add_argument("--iters", type=int, default=None, help="timed backward passes (20)")
+    parser.add_argument("--cycles", type=int, default=None, help="select cycles stepped (4)")
+    parser.add_argument("--vocab", type=int, default=None)
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--heads", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument(
+        "--inner",
+        choices=("inductor", "eager"),
+        default=None,
+        help="inductor (default) compares zenflow+Inductor with Inductor; eager compares "
+        'zenflow options={"inner": "eager"} with aot_eager (no Inductor; --quick)',
+    )
+    args = parser.parse_args(argv)
+    quick = dict(
+        iters=5, cycles=2, vocab=64, width=32, layers=1, heads=2, seq=16, batch=2, inner="eager"
+    )
+    full = dict(iters=20, cycles=4, vocab=4096, width=256, layers=2, heads=4, seq=128, batch=4)
+    full["inner"] = "inductor"
+    for name, value in (quick if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.out = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, width: int, heads: int, layers: int, seq: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(seq, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _model(args) -> GPT:
+    torch.manual_seed(0)
+    return GPT(args.vocab, args.width, args.heads, args.layers, args.seq)
+
+
+def _batch(args, step: int):
+    g = torch.Generator().manual_seed(step)
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def _timed_backward(model, batch) -> float:
+    loss = model(*batch)
+    started = time.perf_counter()
+    loss.backward()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    args = _args()
+    print("# bench_compile_overhead: zenflow backend vs Inductor, backward and optimizer step")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, python {platform.python_version()}"
+    )
+    zf_model, ref_model = _model(args), _model(args)
+    params = sum(p.numel() for p in zf_model.parameters())
+    print(
+        f"model: GPT, vocab {args.vocab}, width {args.width}, {args.layers} layers, "
+        f"{args.heads} heads, seq {args.seq}, batch {args.batch}: {params / 1e6:.2f}M parameters "
+        f"(LM head tied)"
+    )
+    if args.inner == "inductor":
+        zf_compiled = torch.compile(zf_model, backend="zenflow")
+        ref_compiled = torch.compile(ref_model, backend="inductor")
+        names = ("zenflow", "inductor")
+    else:
+        zf_compiled = torch.compile(zf_model, backend="zenflow", options={"inner": "eager"})
+        ref_compiled = torch.compile(ref_model, backend="aot_eager")
+        names = ("zenflow (inner eager)", "aot_eager")
+    opt = zenflow.ZenFlowAdamW(zf_model.parameters(), lr=1e-4, step_backend="eager", **SETTINGS)
+
+    started = time.perf_counter()
+    for i in range(2):  # compile, then one more for any recompilation
+        _timed_backward(zf_compiled, _batch(args, i))
+        opt.zero_grad()
+    zf_compile = time.perf_counter() - started
+    started = time.perf_counter()
+    for i in range(2):
+        _timed_backward(ref_compiled, _batch(args, i))
+        ref_model.zero_grad(set_to_none=True)
+    ref_compile = time.perf_counter() - started
+
+    zf_times, ref_times = [], []
+    for i in range(args.iters):
+        batch = _batch(args, i)
+        pair = [(zf_compiled, zf_times), (ref_compiled, ref_times)]
+        for model, times in pair if i % 2 == 0 else pair[::-1]:
+            times.append(_timed_backward(model, batch))
+            if model is zf_compiled:
+                opt.zero_grad()
+            else:
+                ref_model.zero_grad(set_to_none=True)
+
+    zf_median, ref_median = statistics.median(zf_times), statistics.median(ref_times)
+    print(f"\n## backward, median of {args.iters} (k = 0: before the first step)")
+    header = f"{'backend':<24} {'backward':>10} {'min':>10} {'first 2 iters':>14} {'ratio':>7}"
+    print(header)
+    print("-" * len(header))
+    for name, times, first, ratio in (
+        (names[0], zf_times, zf_compile, zf_median / ref_median),
+        (names[1], ref_times, ref_compile, 1.0),
+    ):
+        print(
+            f"{name:<24} {1000 * statistics.median(times):>8.2f}ms {1000 * min(times):>8.2f}ms "
+            f"{first:>13.1f}s {ratio:>6.2f}x"
+        )
+
+    # The optimizer step, by kind, over whole select cycles; backward with k > 0 as well.
+    kinds: dict[str, list[float]] = {
+        "ordinary": [],
+        "update (overlapped)": [],
+        "update before select": [],
+        "select (reselection)": [],
+    }
+    selected_backward = []
+    cycle = SETTINGS["select_interval"]
+    for i in range(args.cycles * cycle):
+        batch = _batch(args, 100 + i)
+        selected_backward.append(_timed_backward(zf_compiled, batch))
+        reselections = opt.stats()["reselections"]
+        started = time.perf_counter()
+        opt.step()
+        elapsed = time.perf_counter() - started
+        opt.zero_grad()
+        if i < cycle and args.cycles > 1:
+            continue  # the first cycle warms up (first selection, variants, allocations)
+        if opt.stats()["reselections"] != reselections:
+            kinds["select (reselection)"].append(elapsed)
+        elif (i + 1) % cycle == 0:
+            kinds["update before select"].append(elapsed)
+        elif (i + 1) % SETTINGS["update_interval"] == 0:
+            kinds["update (overlapped)"].append(elapsed)
+        else:
+            kinds["ordinary"].append(elapsed)
+    stats = opt.stats()
+    after_first = selected_backward[SETTINGS["select_interval"] :] or selected_backward
+    print(
+        f"\nzenflow backward with k = {stats['selected_fraction']:.2f} of each weight selected: "
+        f"median {1000 * statistics.median(after_first):.2f}ms "
+        f"({statistics.median(after_first) / ref_median:.2f}x {names[1]})"
+    )
+    print(
+        f"\n## ZenFlowAdamW.step() (step_backend eager, topk {SETTINGS['topk_ratio']}, "
+        f"update_interval {SETTINGS['update_interval']}, select_interval "
+        f"{SETTINGS['select_interval']}, overlap_step), {args.cycles} select cycles"
+    )
+    header = f"{'step kind':<24} {'count':>5} {'median':>10} {'max':>10} {'vs ordinary':>12}"
+    print(header)
+    print("-" * len(header))
+    ordinary = statistics.median(kinds["ordinary"])
+    for kind, times in kinds.items():
+        if not times:
+            print(f"{kind:<24} {0:>5} {'n/a':>10}")
+            continue
+        median = statistics.median(times)
+        print(
+            f"{kind:<24} {len(times):>5} {1000 * median:>8.2f}ms {1000 * max(times):>8.2f}ms "
+            f"{median / ordinary:>11.2f}x"
+        )
+    print(f"{'update_interval auto':<24} {'':>5} {'n/a':>10}  (not implemented in ZenFlowAdamW)")
+    print(
+        f"stats: reselections {stats['reselections']}, cpu_updates {stats['cpu_updates']}, "
+        f"optimizer_wait_s {stats['optimizer_wait_s']:.3f}, cpu_adam_s {stats['cpu_adam_s']:.3f}"
+    )
+    opt.flush()
+
+
+if __name__ == "__main__":
+    main()
