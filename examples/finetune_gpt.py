@@ -1,19 +1,23 @@
-"""The main job: fine-tune a small byte-level GPT with ZenFlow, next to plain AdamW.
+"""The main job: fine-tune a small byte-level GPT with ZenFlow, next to the alternatives.
 
 1. Pre-train briefly with AdamW on the standard library's Python sources (cached on disk).
-2. Fine-tune on English prose (pydoc's help topics) with ZenFlow AdamW: each step the top
-   ``topk_ratio`` columns of every weight (by gradient energy) are updated; the rest accumulate
-   their gradients and are updated together every ``update_interval`` steps.
-3. Fine-tune again from the same weights, on the same batches, with plain AdamW as the baseline.
-4. Print a comparison table and save the loss curves as a PNG.
+2. Fine-tune on English prose (pydoc's help topics) through ``zenflow.initialize`` with a
+   DeepSpeed JSON config and the ``zenflow`` torch.compile backend, three times from the same
+   weights on the same batches:
+   * ``zenflow``: ``ds_config_zenflow.json``, the top ``topk_ratio`` columns of every weight
+     updated each step on the device, the rest every ``update_interval`` steps by the CPU AdamW;
+   * ``zero-offload``: ``ds_config_offload.json``, every update on the CPU, every step;
+   * ``adamw``: ``ds_config_adamw.json``, plain AdamW without offloading.
+3. Print a comparison table, save the loss curves and step-time breakdown as a PNG, save a
+   checkpoint of the ZenFlow run (``--resume`` continues from it) and export its weights.
 
-This version runs ZenFlow's eager reference optimizer (``zenflow.reference``) on an eager model.
-
-    python examples/finetune_gpt.py            # the demo, about 2-3 minutes on 2 CPU cores
-    python examples/finetune_gpt.py --quick    # a few seconds, for the test suite
+    python examples/finetune_gpt.py            # the demo, a few minutes on 2 CPU cores
+    python examples/finetune_gpt.py --resume   # continue the ZenFlow run from its checkpoint
+    python examples/finetune_gpt.py --quick    # seconds, for the test suite
 """
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -24,19 +28,21 @@ from matplotlib.figure import Figure
 from text_data import BatchSampler, stdlib_source_bytes, topics_prose_bytes, train_val_split
 from tqdm import tqdm
 
-from zenflow.reference import ReferenceZenFlowAdamW
+import zenflow
 
 HERE = Path(__file__).resolve().parent
 PRETRAIN_LR = 2e-3
-FINETUNE_LR = 5e-4
-BETAS = (0.9, 0.95)
-EPS = 1e-8
 WEIGHT_DECAY = 0.1
 TRAIN_LOSS_TAIL = 10  # the table's train loss: mean of the last steps (one batch is noisy)
+RUNS = {
+    "zenflow": HERE / "ds_config_zenflow.json",
+    "zero-offload": HERE / "ds_config_offload.json",
+    "adamw": HERE / "ds_config_adamw.json",
+}
 
 # --quick: a tiny model and a few steps; flags given explicitly still win.
 QUICK = dict(
-    steps=30,
+    steps=24,
     pretrain_steps=30,
     batch_size=8,
     n_layer=2,
@@ -49,28 +55,37 @@ QUICK = dict(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=250, help="fine-tuning steps per optimizer")
+    parser.add_argument("--steps", type=int, default=200, help="fine-tuning steps per run")
     parser.add_argument("--pretrain-steps", type=int, default=500)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--topk-ratio", type=float, default=0.1)
-    parser.add_argument("--update-interval", type=int, default=4)
-    parser.add_argument(
-        "--select-interval", type=int, default=8, help="steps between column reselections"
-    )
+    parser.add_argument("--topk-ratio", type=float, help="overrides the ZenFlow config")
+    parser.add_argument("--update-interval", type=int, help="overrides the ZenFlow config")
+    parser.add_argument("--select-interval", type=int, help="overrides the ZenFlow config")
     parser.add_argument("--eval-batches", type=int, default=16, help="validation batches")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=HERE.parent / "runs")
     parser.add_argument("--cache-dir", type=Path, default=HERE / "cache")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--inner",
+        choices=("eager", "inductor"),
+        help="what runs the rewritten graphs: Inductor (default on cuda) or eager (default on "
+        "cpu, where Inductor's compile time would dwarf a short demo)",
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue the ZenFlow run from its checkpoint"
+    )
     parser.add_argument("--quick", action="store_true", help="a very short run (tests)")
     args = parser.parse_args(argv)
     if args.quick:
         parser.set_defaults(**QUICK)
         args = parser.parse_args(argv)
+    if args.inner is None:
+        args.inner = "inductor" if args.device.startswith("cuda") else "eager"
     return args
 
 
@@ -86,42 +101,13 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def train(
-    model: GPT,
-    optimizer: torch.optim.Optimizer,
-    sampler: BatchSampler,
-    steps: int,
-    device: str,
-    desc: str,
-) -> tuple[list[float], list[float]]:
-    """Run ``steps`` optimizer steps; returns the per-step losses and step times (seconds)."""
-    model.train()
-    losses, times, skipped = [], [], 0
-    progress = tqdm(range(steps), desc=desc)
-    for _ in progress:
-        x, y = sampler.next_batch(device)
-        start = time.perf_counter()
-        _, loss = model(x, y)
-        loss.backward()
-        # ZenFlow returns False for a skipped step (non-finite gradient); torch returns None.
-        if optimizer.step() is False:
-            skipped += 1
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-        progress.set_postfix(loss=f"{losses[-1]:.3f}", step_ms=f"{times[-1] * 1e3:.0f}")
-    if skipped:
-        print(f"{desc}: {skipped} steps skipped (non-finite gradients)")
-    return losses, times
-
-
 @torch.no_grad()
 def evaluate(model: GPT, tokens: torch.Tensor, args: argparse.Namespace) -> float:
     """Mean loss over ``eval_batches`` batches; the fixed seed makes every call see the same ones."""
     model.eval()
     sampler = BatchSampler(tokens, args.block_size, args.batch_size, seed=args.seed)
     losses = [model(*sampler.next_batch(args.device))[1].item() for _ in range(args.eval_batches)]
+    model.train()
     return sum(losses) / len(losses)
 
 
@@ -143,10 +129,12 @@ def pretrained_weights(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     model = GPT(config).to(args.device)
     train_tokens, val_tokens = train_val_split(stdlib_source_bytes())
     sampler = BatchSampler(train_tokens, args.block_size, args.batch_size, seed=args.seed)
-    optimizer = torch.optim.AdamW(
-        model.param_groups(WEIGHT_DECAY), lr=PRETRAIN_LR, betas=BETAS, eps=EPS
-    )
-    train(model, optimizer, sampler, args.pretrain_steps, args.device, desc="pre-training")
+    optimizer = torch.optim.AdamW(model.param_groups(WEIGHT_DECAY), lr=PRETRAIN_LR)
+    for _ in tqdm(range(args.pretrain_steps), desc="pre-training"):
+        _, loss = model(*sampler.next_batch(args.device))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     print(f"pre-training: val loss on stdlib code {evaluate(model, val_tokens, args):.4f}")
     # Write then rename: an interrupted run never leaves a half-written cache entry.
     args.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -157,51 +145,98 @@ def pretrained_weights(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def make_optimizer(name: str, model: GPT, args: argparse.Namespace) -> torch.optim.Optimizer:
-    groups = model.param_groups(WEIGHT_DECAY)
-    if name == "zenflow-reference":
-        return ReferenceZenFlowAdamW(
-            groups,
-            lr=FINETUNE_LR,
-            betas=BETAS,
-            eps=EPS,
-            weight_decay=WEIGHT_DECAY,
-            topk_ratio=args.topk_ratio,
-            update_interval=args.update_interval,
-            select_interval=args.select_interval,
-        )
-    return torch.optim.AdamW(groups, lr=FINETUNE_LR, betas=BETAS, eps=EPS)
+def ds_config(name: str, args: argparse.Namespace) -> dict:
+    """The run's DeepSpeed config, with the command line's batch size and ZenFlow settings."""
+    config = json.loads(RUNS[name].read_text())
+    config["train_micro_batch_size_per_gpu"] = args.batch_size
+    block = config["zero_optimization"].get("zenflow")
+    if block is not None:
+        for key in ("topk_ratio", "update_interval", "select_interval"):
+            if getattr(args, key) is not None:
+                block[key] = getattr(args, key)
+    return config
+
+
+def train(engine, sampler: BatchSampler, steps: int, args, desc: str) -> dict:
+    """Run ``steps`` optimizer steps; returns per-step losses and step times (seconds)."""
+    losses, times = [], []
+    progress = tqdm(range(steps), desc=desc)
+    for _ in progress:
+        x, y = sampler.next_batch(args.device)
+        start = time.perf_counter()
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        synchronize(args.device)
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+        progress.set_postfix(loss=f"{losses[-1]:.3f}", step_ms=f"{times[-1] * 1e3:.0f}")
+    return dict(losses=losses, times=times)
 
 
 def finetune(name: str, weights: dict, data: tuple, args: argparse.Namespace) -> dict:
-    """Fine-tune a copy of the pre-trained model; every optimizer sees the same batches."""
+    """Fine-tune a copy of the pre-trained model; every run sees the same batches."""
     train_tokens, val_tokens = data
+    torch.manual_seed(args.seed)
     model = GPT(model_config(args)).to(args.device)
     model.load_state_dict(weights)
-    optimizer = make_optimizer(name, model, args)
+    engine, _, _, _ = zenflow.initialize(
+        model=model,
+        model_parameters=model.param_groups(WEIGHT_DECAY),
+        config=ds_config(name, args),
+    )
+    engine.compile(options={"inner": args.inner})
     sampler = BatchSampler(train_tokens, args.block_size, args.batch_size, seed=args.seed + 1)
+    checkpoint_dir = args.out_dir / "checkpoint"
+    if name == "zenflow" and args.resume:
+        path, state = engine.load_checkpoint(checkpoint_dir)
+        if path is None:
+            raise SystemExit(f"--resume: no checkpoint under {checkpoint_dir}; run without it")
+        sampler.load_state_dict(state["sampler"])
+        print(f"resumed from {path} at step {engine.global_steps}")
 
     val_before = evaluate(model, val_tokens, args)
-    losses, times = train(model, optimizer, sampler, args.steps, args.device, desc=name)
-    # ZenFlow holds part of the update back (the unselected columns' open window): apply it
-    # before evaluating. Plain AdamW has nothing pending.
-    if hasattr(optimizer, "flush"):
-        optimizer.flush()
-    val_after = evaluate(model, val_tokens, args)
-    print(f"{name}: val loss on prose {val_before:.4f} -> {val_after:.4f}")
-    return dict(losses=losses, times=times, val_before=val_before, val_after=val_after)
+    run = train(engine, sampler, args.steps, args, desc=name)
+    # ZenFlow holds part of the update back (the open window): apply it before evaluating.
+    engine.flush()
+    run.update(val_before=val_before, val_after=evaluate(model, val_tokens, args))
+    run["stats"] = engine.stats()
+    print(f"{name}: val loss on prose {run['val_before']:.4f} -> {run['val_after']:.4f}")
+    if name == "zenflow":
+        engine.save_checkpoint(checkpoint_dir, client_state={"sampler": sampler.state_dict()})
+        engine.save_16bit_model(args.out_dir / "export")
+        print(f"checkpoint: {checkpoint_dir} (continue with --resume)")
+        print(f"exported 16-bit weights: {args.out_dir / 'export' / 'pytorch_model.bin'}")
+    return run
 
 
-def print_table(results: dict[str, dict], steps: int) -> None:
-    print(f"\nfine-tuning, {steps} steps")
-    print(f"{'optimizer':<20}{'train_loss':>12}{'val_loss':>10}{'median_step_ms':>16}")
-    for name, r in results.items():
-        train_loss = statistics.fmean(r["losses"][-TRAIN_LOSS_TAIL:])
-        step_ms = statistics.median(r["times"]) * 1e3
-        print(f"{name:<20}{train_loss:>12.4f}{r['val_after']:>10.4f}{step_ms:>16.1f}")
-    print(f"(train_loss: mean of the last {TRAIN_LOSS_TAIL} steps)")
-    # Keep readers from taking the reference's step time for ZenFlow's speed.
-    print("(zenflow-reference is the eager numerical oracle, not the offloading runtime)\n")
+def summary(run: dict) -> dict:
+    stats, total = run["stats"], sum(run["times"])
+    steps = max(stats.get("steps", len(run["times"])), 1)
+    return dict(
+        train_loss=statistics.fmean(run["losses"][-TRAIN_LOSS_TAIL:]),
+        val_loss=run["val_after"],
+        step_ms=statistics.median(run["times"]) * 1e3,
+        wait_share=stats.get("optimizer_wait_s", 0.0) / total,
+        mb_per_step=(stats.get("d2h_bytes", 0) + stats.get("h2d_bytes", 0)) / steps / 1e6,
+        cpu_updates=stats.get("cpu_updates", 0),
+    )
+
+
+def print_table(results: dict[str, dict], args: argparse.Namespace) -> None:
+    print(f"\nfine-tuning, {args.steps} steps, rewritten graphs run by {args.inner}")
+    header = ["run", "train_loss", "val_loss", "median_step_ms", "opt_wait", "MB/step", "cpu_upd"]
+    print(f"{header[0]:<14}" + "".join(f"{h:>15}" for h in header[1:]))
+    for name, run in results.items():
+        s = summary(run)
+        print(
+            f"{name:<14}{s['train_loss']:>15.4f}{s['val_loss']:>15.4f}{s['step_ms']:>15.1f}"
+            f"{s['wait_share']:>15.1%}{s['mb_per_step']:>15.2f}{s['cpu_updates']:>15d}"
+        )
+    print(f"(train_loss: mean of the last {TRAIN_LOSS_TAIL} steps; MB/step: device<->host)")
+    if "adamw" in results:
+        ratio = results["zenflow"]["val_after"] / results["adamw"]["val_after"]
+        print(f"zenflow val loss / adamw val loss: {ratio:.4f}\n")
 
 
 def smoothed(values: list[float], weight: float = 0.9) -> list[float]:
@@ -215,24 +250,38 @@ def smoothed(values: list[float], weight: float = 0.9) -> list[float]:
 
 def plot(results: dict[str, dict], path: Path) -> None:
     # A bare Figure (no pyplot) renders with matplotlib's Agg backend: no display needed.
-    fig = Figure(figsize=(8, 5))
-    ax = fig.subplots()
-    for name, r in results.items():
-        (line,) = ax.plot(r["losses"], alpha=0.25, linewidth=1)
+    fig = Figure(figsize=(13, 5))
+    curves, bars = fig.subplots(1, 2, width_ratios=[2, 1])
+    for name, run in results.items():
+        (line,) = curves.plot(run["losses"], alpha=0.25, linewidth=1)
         color = line.get_color()
-        ax.plot(smoothed(r["losses"]), color=color, label=f"{name} train (smoothed)")
-        ax.plot(
-            [0, len(r["losses"])],
-            [r["val_before"], r["val_after"]],
+        curves.plot(smoothed(run["losses"]), color=color, label=f"{name} train (smoothed)")
+        curves.plot(
+            [0, len(run["losses"])],
+            [run["val_before"], run["val_after"]],
             "o",
             markersize=8,
             color=color,
             label=f"{name} val (before, after)",
         )
-    ax.set_xlabel("fine-tuning step")
-    ax.set_ylabel("cross-entropy loss (nats per byte)")
-    ax.set_title("GPT fine-tuning on pydoc topics: ZenFlow vs AdamW")
-    ax.legend()
+    curves.set_xlabel("fine-tuning step")
+    curves.set_ylabel("cross-entropy loss (nats per byte)")
+    curves.set_title("GPT fine-tuning on pydoc topics")
+    curves.legend()
+
+    names = list(results)
+    step_ms = [summary(results[n])["step_ms"] for n in names]
+    wait_ms = [s * summary(results[n])["wait_share"] for s, n in zip(step_ms, names, strict=True)]
+    bars.bar(names, [s - w for s, w in zip(step_ms, wait_ms, strict=True)], label="compute")
+    bars.bar(
+        names,
+        wait_ms,
+        bottom=[s - w for s, w in zip(step_ms, wait_ms, strict=True)],
+        label="waiting for the optimizer",
+    )
+    bars.set_ylabel("median step time (ms)")
+    bars.set_title("step time breakdown")
+    bars.legend()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
 
@@ -241,15 +290,14 @@ def main() -> None:
     args = parse_args()
     weights = pretrained_weights(args)
     data = train_val_split(topics_prose_bytes())
-    results = {name: finetune(name, weights, data, args) for name in ("zenflow-reference", "adamw")}
-    print_table(results, args.steps)
+    names = ["zenflow"] if args.resume else list(RUNS)
+    results = {name: finetune(name, weights, data, args) for name in names}
+    print_table(results, args)
     png = args.out_dir / "finetune_gpt.png"
     plot(results, png)
-    print(f"loss curves: {png}")
-    zenflow = results["zenflow-reference"]
-    print(
-        f"final: val_loss_before={zenflow['val_before']:.4f} val_loss_after={zenflow['val_after']:.4f}"
-    )
+    print(f"loss curves and step times: {png}")
+    run = results["zenflow"]
+    print(f"final: val_loss_before={run['val_before']:.4f} val_loss_after={run['val_after']:.4f}")
 
 
 if __name__ == "__main__":

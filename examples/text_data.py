@@ -61,3 +61,10 @@ class BatchSampler:
         offsets = torch.arange(self.block_size + 1)
         windows = self.tokens[starts[:, None] + offsets]
         return windows[:, :-1].to(device), windows[:, 1:].to(device)
+
+    def state_dict(self) -> dict:
+        """Where the batch sequence stands, for checkpoints: a resumed run sees the same batches."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])

@@ -170,3 +170,11 @@ def test_auto_update_interval_trains_as_well_as_a_fixed_interval():
     auto_loss, auto = train_on_teacher(data, update_interval="auto")
     assert auto_loss <= 1.01 * fixed_loss
     assert auto["cpu_updates"] != fixed["cpu_updates"]  # the rule, not a fixed period, decided
+
+
+def test_a_cpu_update_counts_once_across_param_groups():
+    model = build("mlp")
+    groups = [{"params": [model[0].weight, model[0].bias]}, {"params": [model[2].weight]}]
+    opt = ZenFlowAdamW(groups, step_backend="eager", **SETTINGS)
+    train(model, opt, batches("mlp", 4))
+    assert opt.stats()["cpu_updates"] == 2

@@ -349,7 +349,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             )
             for w in group_weights:
                 self._counters["h2d_bytes"] += w.write_unselected()
-            self._counters["cpu_updates"] += 1
+        self._counters["cpu_updates"] += bool(weights)
 
     def _by_group(self, weights: list[SplitWeight]):
         for group_index in range(len(self.param_groups)):
@@ -400,7 +400,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 self._pending.append(pending)
             else:
                 self._apply(pending)
-            self._counters["cpu_updates"] += 1
+        self._counters["cpu_updates"] += bool(weights)
         for w in weights:
             w.in_window = False
             w.last_grad = None
