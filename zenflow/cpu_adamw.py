@@ -105,15 +105,15 @@ class CPUAdamW(torch.optim.Optimizer):
                 jobs.append(job)
         handles = []
         try:
-            for args, kwargs, _ in jobs:
+            for args, kwargs, step_tensors in jobs:
                 handles.append(cpu_adam.submit_adamw_step(*args, **kwargs))
+                # A step counts once its update is queued (the job has its own copy of the
+                # counts), so a group the binding rejects keeps its state as it was.
+                for t in step_tensors:
+                    t += 1
         except BaseException:
             CPUAdamWStepHandle(handles).wait()
             raise
-        # Steps count once their update is queued, so a rejected call leaves the state as it was.
-        for _, _, step_tensors in jobs:
-            for t in step_tensors:
-                t += 1
         self._pending = CPUAdamWStepHandle(handles)
         return self._pending
 
