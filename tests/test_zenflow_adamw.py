@@ -5,6 +5,7 @@ import torch
 from torch.testing import assert_close
 
 from tests.models import batches, build, loss_of
+from zenflow.columns import select_top_columns
 from zenflow.optimizer import ZenFlowAdamW
 from zenflow.reference import ReferenceZenFlowAdamW
 
@@ -63,25 +64,47 @@ def test_overlap_on_large_weights_equals_reference():
     assert_close(list(model.parameters()), list(oracle_model.parameters()), rtol=1e-5, atol=1e-6)
 
 
+def recorded_selections(data) -> dict[tuple, list[set]]:
+    """The columns the oracle selects at each reselection, per weight shape."""
+    selections: dict[tuple, list[set]] = {}
+
+    def record(param, scores, k):
+        chosen = select_top_columns(scores, k)
+        selections.setdefault(tuple(param.shape), []).append(set(chosen.tolist()))
+        return chosen
+
+    model = build("mlp")
+    oracle = ReferenceZenFlowAdamW(model.parameters(), selector=record, **SETTINGS)
+    train(model, oracle, data)
+    return selections
+
+
 def test_stats_count_steps_updates_and_bytes():
+    data = batches("mlp", 8)
     model = build("mlp")
     opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **SETTINGS)
-    train(model, opt, batches("mlp", 8))
+    train(model, opt, data)
     stats = opt.stats()
     assert stats["steps"] == 8 and stats["reselections"] == 2 and stats["cpu_updates"] == 4
     # Weights [16, 6] and [3, 16]: k = 1 of 6 and 4 of 16 columns.
     all_elements = 6 * 16 + 16 * 3
-    selected_elements, selected_columns = 1 * 16 + 4 * 3, 1 + 4
+    selected_elements = 1 * 16 + 4 * 3
     unselected_elements = all_elements - selected_elements
     assert stats["selected_fraction"] == pytest.approx(selected_elements / all_elements)
     # Step 1 stages every row (nothing selected yet), steps 2-8 the unselected ones, in fp32.
     staged = (all_elements + 7 * unselected_elements) * 4
-    # A selection moves device rows (master, moments, staged gradient: fp32; steps: int64):
-    # in at steps 1 and 5, out at step 5.
-    migration = selected_elements * 4 * 4 + selected_columns * 8
-    assert stats["d2h_bytes"] == staged + migration
+    # A reselection moves only the columns that change side: fp32 master, moments and staged
+    # gradient rows plus an int64 step each.
+    moved_in = moved_out = 0
+    for (out, _), history in recorded_selections(data).items():
+        row_bytes = out * 4 * 4 + 8
+        for old, new in zip([set()] + history, history, strict=False):
+            moved_in += len(new - old) * row_bytes
+            moved_out += len(old - new) * row_bytes
+    assert moved_in > 0
+    assert stats["d2h_bytes"] == staged + moved_out
     # Each of the 4 CPU updates sends the unselected columns back in the parameter dtype.
-    assert stats["h2d_bytes"] == 4 * unselected_elements * 4 + 2 * migration
+    assert stats["h2d_bytes"] == 4 * unselected_elements * 4 + moved_in
     assert stats["skipped_steps"] == 0
 
 

@@ -144,67 +144,88 @@ class SplitWeight:
 
     # Selection and migration.
 
-    def _device_rows_bytes(self) -> int:
-        """Bytes of the device-resident rows: master, moments, staged gradient (fp32) and steps."""
-        return self.k * (self.out * 4 * 4 + 8)
-
-    def _selected_before_block(self) -> int:
-        """Position in the selected rows of this rank's first selected column."""
-        return int((self.order[: self.k] < self.lo).sum())
+    def _row_bytes(self) -> int:
+        """Bytes of one column's state as it crosses: fp32 master and moments, int64 step, and
+        the fp32 staged gradient when the move happens mid-step."""
+        return self.out * 4 * (3 + self.has_staged) + 8
 
     def reselect(self, selected_columns: torch.Tensor) -> tuple[int, int]:
-        """Adopt a new selection (ascending natural column indices), moving state and staged
-        gradient rows to where the new order puts them. Returns the bytes moved (to the host,
-        to the device)."""
-        to_host = self._device_rows_bytes()
-        first = self._selected_before_block()
-        rows = slice(first, first + self.k_local)
-        self.host_master[: self.k_local] = self.device_master[rows].cpu()
-        self.host_exp_avg[: self.k_local] = self.device_exp_avg[rows].cpu()
-        self.host_exp_avg_sq[: self.k_local] = self.device_exp_avg_sq[rows].cpu()
-        self.host_steps[: self.k_local] = self.device_steps[rows].cpu()
-        if self.has_staged:
-            block_grad = torch.cat([self.device_stage[rows].cpu(), self.host_stage.float()])
+        """Adopt a new selection (ascending natural column indices). Only columns whose side
+        changes move: a leaving column's device state (and staged gradient) goes to its owner's
+        host rows, an entering column's host state to every rank's device rows; the rest stay
+        where they are. Returns the bytes this rank moved (to the host, to the device)."""
+        columns, lo, hi = self.columns, self.lo, self.hi
+        old_selected, new_selected = self.order[: self.k].cpu(), selected_columns.cpu()
+        was = torch.zeros(columns, dtype=torch.bool)
+        was[old_selected] = True
+        now = torch.zeros(columns, dtype=torch.bool)
+        now[new_selected] = True
+        mine = torch.zeros(columns, dtype=torch.bool)
+        mine[lo:hi] = True
+        old_row = torch.full((columns,), -1, dtype=torch.int64)
+        old_row[old_selected] = torch.arange(self.k)
+        local_row = torch.empty(columns, dtype=torch.int64)
+        local_row[self.local_order] = torch.arange(hi - lo)
 
-        selected_columns = selected_columns.cpu()
-        is_selected = torch.zeros(self.columns, dtype=torch.bool)
-        is_selected[selected_columns] = True
-        unselected = (~is_selected).nonzero().flatten()
-        in_block = (selected_columns >= self.lo) & (selected_columns < self.hi)
-        local_selected = selected_columns[in_block]
-        local_unselected = unselected[(unselected >= self.lo) & (unselected < self.hi)]
-        new_local_order = torch.cat([local_selected, local_unselected])
-        position = torch.empty(self.hi - self.lo, dtype=torch.int64)
-        position[self.local_order - self.lo] = torch.arange(self.hi - self.lo)
-        moved = position[new_local_order - self.lo]
-        for name in ("host_master", "host_exp_avg", "host_exp_avg_sq"):
-            setattr(self, name, self._host(getattr(self, name)[moved]))
-        self.host_steps = self.host_steps[moved]
-
-        self.k, self.k_local = selected_columns.numel(), local_selected.numel()
-        self.local_order = new_local_order
-        self.order = torch.cat([selected_columns, unselected]).to(self.param.device)
-        self.unselected_counts = [
-            int(((unselected >= lo) & (unselected < hi)).sum())
-            for lo, hi in map(self._block, range(self.comm.world_size))
+        device_state = [
+            self.device_master,
+            self.device_exp_avg,
+            self.device_exp_avg_sq,
+            self.device_steps,
         ]
-        first = self._selected_before_block()
-        self.device_master = self._assemble_selected(self.host_master, first)
-        self.device_exp_avg = self._assemble_selected(self.host_exp_avg, first)
-        self.device_exp_avg_sq = self._assemble_selected(self.host_exp_avg_sq, first)
-        self.device_steps = self._assemble_selected(self.host_steps, first)
+        host_state = [self.host_master, self.host_exp_avg, self.host_exp_avg_sq, self.host_steps]
         if self.has_staged:
-            block_grad = block_grad[moved]
-            self.device_stage = self._assemble_selected(block_grad, first)
-            self.host_stage = self._host(block_grad[self.k_local :])
-            self.score_parts = []
-        return to_host, self._device_rows_bytes()
+            # This rank's block of the staged gradient, in host (local) row order.
+            block_grad = torch.empty(hi - lo, self.out)
+            block_grad[self.k_local :] = self.host_stage.float()
+            device_state.append(self.device_stage)
+            host_state.append(block_grad)
 
-    def _assemble_selected(self, local_rows: torch.Tensor, first: int) -> torch.Tensor:
-        """All selected rows on the device: each rank contributes the ones it owns."""
-        full = torch.zeros(self.k, *local_rows.shape[1:], dtype=local_rows.dtype)
-        full[first : first + self.k_local] = local_rows[: self.k_local]
-        return self.comm.all_reduce_sum_(full.to(self.param.device))
+        leaving = (was & ~now & mine).nonzero().flatten()
+        for host, device in zip(host_state, device_state, strict=True):
+            host[local_row[leaving]] = device[old_row[leaving].to(device.device)].cpu()
+        entering = new_selected[~was[new_selected]]
+        entering_rows = []
+        for host in host_state:
+            rows = torch.zeros(entering.numel(), *host.shape[1:], dtype=host.dtype)
+            owned = mine[entering]
+            rows[owned] = host[local_row[entering[owned]]]
+            entering_rows.append(self.comm.all_reduce_sum_(rows.to(self.param.device)))
+
+        unselected = (~now).nonzero().flatten()
+        new_local_order = torch.cat(
+            [new_selected[mine[new_selected]], unselected[mine[unselected]]]
+        )
+        moved = local_row[new_local_order]
+        host_state = [self._host(host[moved]) for host in host_state]
+        new_row = torch.empty(columns, dtype=torch.int64)
+        new_row[new_selected] = torch.arange(new_selected.numel())
+        staying = new_selected[was[new_selected]]
+        device_rows = []
+        for device, rows in zip(device_state, entering_rows, strict=True):
+            placed = device.new_empty(new_selected.numel(), *device.shape[1:])
+            placed[new_row[staying].to(device.device)] = device[old_row[staying].to(device.device)]
+            placed[new_row[entering].to(device.device)] = rows
+            device_rows.append(placed)
+
+        to_host = leaving.numel() * self._row_bytes()
+        to_device = entering.numel() * self._row_bytes()
+        self.k, self.k_local = new_selected.numel(), int(mine[new_selected].sum())
+        self.local_order = new_local_order
+        self.order = torch.cat([new_selected, unselected]).to(self.param.device)
+        self.unselected_counts = [
+            int(((unselected >= lo_r) & (unselected < hi_r)).sum())
+            for lo_r, hi_r in map(self._block, range(self.comm.world_size))
+        ]
+        self.host_master, self.host_exp_avg, self.host_exp_avg_sq, self.host_steps = host_state[:4]
+        self.device_master, self.device_exp_avg, self.device_exp_avg_sq, self.device_steps = (
+            device_rows[:4]
+        )
+        if self.has_staged:
+            self.device_stage = device_rows[4]
+            self.host_stage = self._host(host_state[4][self.k_local :])
+            self.score_parts = []
+        return to_host, to_device
 
     # Writing updated values into the parameter the model computes with.
 
