@@ -17,6 +17,7 @@ import torch
 from zenflow.columns import as_matrix, column_count
 from zenflow.runtime import registry
 from zenflow.runtime.comm import DataParallel
+from zenflow.runtime.streams import copy_stream
 
 
 class SplitWeight:
@@ -73,8 +74,9 @@ class SplitWeight:
         """Keep this micro-batch's gradient rows until the step commits them.
 
         Copies: a compiled graph may reuse ``rows``' storage as soon as this returns. With one
-        rank the unselected rows go to the host at once; with several they stay on the device
-        until the step reduces them and brings only this rank's chunk over.
+        rank the unselected rows start for the host at once, overlapping with the rest of the
+        backward pass; with several they stay on the device until the step reduces them and
+        brings only this rank's chunk over.
         """
         selected, unselected = rows[: self.k], rows[self.k :]
         if self.micro_batches == 0:
@@ -82,19 +84,22 @@ class SplitWeight:
             if self.distributed:
                 self.host_stage = unselected.to(torch.float32, copy=True)
             else:
-                self.host_stage = torch.empty(
-                    unselected.shape, dtype=rows.dtype, pin_memory=self.pin_memory
-                )
-                self.host_stage.copy_(unselected, non_blocking=self.pin_memory)
+                self._host_copy = copy_stream(self.param.device).copy_to_host(unselected)
                 self.staged_bytes += unselected.numel() * rows.element_size()
         else:
             self.device_stage += selected
+            self._finish_host_copy()
             if self.host_stage.dtype != torch.float32:
                 self.host_stage = self.host_stage.float()
             self.host_stage += unselected.to(self.host_stage.device, torch.float32)
             if not self.distributed:
                 self.staged_bytes += unselected.numel() * rows.element_size()
         self.micro_batches += 1
+
+    def _finish_host_copy(self) -> None:
+        if self._host_copy is not None:
+            self.host_stage = self._host_copy.wait()
+            self._host_copy = None
 
     def record_importance(self, scores: torch.Tensor) -> None:
         self.score_parts.append(scores.detach().clone())
@@ -108,6 +113,7 @@ class SplitWeight:
     def discard_staged(self) -> None:
         self.device_stage = None
         self.host_stage = None
+        self._host_copy = None
         self.micro_batches = 0
         self.score_parts = []
         self.staged_bytes = 0
@@ -118,8 +124,10 @@ class SplitWeight:
 
     def reduce_staged(self) -> None:
         """Average the staged gradient over ranks: the selected rows everywhere, the unselected
-        ones into this rank's chunk, which alone goes to the host."""
+        ones into this rank's chunk, which alone goes to the host. With one rank: wait for the
+        transfer started in ``stage``."""
         if not self.distributed:
+            self._finish_host_copy()
             return
         self.comm.all_reduce_mean_(self.device_stage)
         mine = self.comm.reduce_scatter_mean(self.host_stage, self.unselected_counts)
