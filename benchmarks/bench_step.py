@@ -303,8 +303,10 @@ class _Peer:
             self.log.write(line)
         self.log.flush()
         with open(self.log_path) as f:
-            tail = [line.strip() for line in f.readlines() if line.strip()][-1:]
-        self.error = f"exited {self.proc.wait()}: {tail[0] if tail else 'no output'}"
+            lines = [line.strip() for line in f.readlines() if line.strip()]
+        errors = [line for line in lines if "Error" in line or "Exception" in line]
+        tail = (errors or lines or ["no output"])[-1]
+        self.error = f"exited {self.proc.wait()}: {tail}"
         return None
 
     def wait_ready(self) -> None:
