@@ -772,6 +772,14 @@ class ZenFlowConfig(_Section):
     bf16: BF16Config = Field(default_factory=BF16Config)
     fp16: FP16Config = Field(default_factory=FP16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    # Extensions over DeepSpeed.
+    nonfinite_gradients: Literal["raise", "skip"] | None = None
+    """A step whose gradient norm is NaN or infinite: "raise" an error or "skip" the step
+    (counted in skipped_steps); nothing is committed either way. Default: "raise", and "skip"
+    with fp16, whose loss scaling relies on skipping overflowing steps."""
+    process_group_timeout_s: float = Field(1800.0, gt=0.0)
+    """Seconds a collective waits for the other ranks before it fails (a rank that died or hangs);
+    applies when zenflow initializes torch.distributed (launched by torchrun or deepspeed)."""
 
     _world_size: int = PrivateAttr(1)
 
@@ -779,6 +787,12 @@ class ZenFlowConfig(_Section):
     def _resolve(self, info: ValidationInfo) -> ZenFlowConfig:
         if self.bf16.enabled and self.fp16.enabled:
             raise _Problem("bf16", "bf16 and fp16 cannot both be enabled; enable one of them")
+        if self.fp16.enabled and self.nonfinite_gradients == "raise":
+            raise _Problem(
+                "nonfinite_gradients",
+                '"raise" cannot be used with fp16: its loss scaling skips the steps that '
+                'overflow; remove the key (or write "skip")',
+            )
         world_size = (info.context or {}).get("world_size") or _default_world_size()
         self._world_size = world_size
         self._resolve_batch_sizes(world_size)
@@ -851,6 +865,13 @@ class ZenFlowConfig(_Section):
         """True when optimizer state lives on the host (ZeRO-Offload; always with ZenFlow)."""
         offload = self.zero_optimization.offload_optimizer
         return offload is not None and offload.device == "cpu"
+
+    @property
+    def nonfinite(self) -> str:
+        """What a step with a NaN or infinite gradient does: "raise" or "skip"."""
+        if self.nonfinite_gradients is not None:
+            return self.nonfinite_gradients
+        return "skip" if self.fp16.enabled else "raise"
 
     @property
     def lr(self) -> float:

@@ -20,11 +20,13 @@ class CPUAdamWStepHandle:
 
     def __init__(self, handles: list[cpu_adam.CPUAdamHandle]):
         self._handles = handles
+        self.waited = False
 
     def done(self) -> bool:
         return all(h.done() for h in self._handles)
 
     def wait(self) -> None:
+        self.waited = True
         errors = []
         for h in self._handles:  # wait for every group, even after one failed
             try:
@@ -42,9 +44,10 @@ class CPUAdamW(torch.optim.Optimizer):
     own lr, betas, eps and weight_decay (read at every step, so LR schedulers work). Threads come
     from :func:`zenflow.runtime.cpu_adam.set_num_threads`.
 
-    While a ``step_async()`` is in flight, parameters, gradients and state must not be modified;
-    ``step()``, ``step_async()``, ``state_dict()``, ``load_state_dict()`` and
-    ``zero_grad(set_to_none=False)`` first wait for it.
+    While a ``step_async()`` is in flight, parameters, gradients and state must not be modified:
+    call its handle's ``wait()`` before the next ``step()`` or ``step_async()`` (which raise
+    otherwise: a forward or backward pass in between would have raced with the update).
+    ``state_dict()``, ``load_state_dict()`` and ``zero_grad(set_to_none=False)`` wait for it.
     """
 
     def __init__(
@@ -82,11 +85,20 @@ class CPUAdamW(torch.optim.Optimizer):
 
     def _finish_pending(self) -> None:
         pending, self._pending = self._pending, None
-        if pending is not None:
+        if pending is not None and not pending.waited:
             pending.wait()
+
+    def _check_not_in_flight(self, call: str) -> None:
+        if self._pending is not None and not self._pending.waited:
+            raise RuntimeError(
+                f"CPUAdamW.{call} while the previous step_async() is in flight: call wait() on "
+                "its handle first (parameters and gradients must stay untouched until the "
+                "update has finished)"
+            )
 
     @torch.no_grad()
     def step(self, closure=None):
+        self._check_not_in_flight("step()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -96,8 +108,10 @@ class CPUAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step_async(self) -> CPUAdamWStepHandle:
-        """Submits the update of every parameter with a gradient and returns at once."""
-        self._finish_pending()
+        """Submits the update of every parameter with a gradient and returns at once; call the
+        handle's ``wait()`` before touching parameters or gradients, and before the next step."""
+        self._check_not_in_flight("step_async()")
+        self._pending = None  # waited for: its failure, if any, was raised there
         jobs = []
         for group_index, group in enumerate(self.param_groups):
             job = self._group_job(group, group_index)

@@ -18,14 +18,18 @@ from dataclasses import dataclass
 
 import torch
 
-from zenflow.columns import has_columns, select_top_columns, topk_count
+from zenflow.columns import column_count, has_columns, select_top_columns, topk_count
 from zenflow.config import resolve_select_interval, zenflow_block
 from zenflow.notices import notice
 from zenflow.runtime import cpu_adam
 from zenflow.runtime.auto_interval import AutoUpdateInterval
-from zenflow.runtime.comm import DataParallel
+from zenflow.runtime.comm import CollectiveError, DataParallel
 from zenflow.runtime.selective_step import compiled_selective_adamw
 from zenflow.runtime.split_weight import SplitWeight
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A step's gradient norm is NaN or infinite (with ``nonfinite="raise"``)."""
 
 
 @dataclass
@@ -62,8 +66,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     Args beyond AdamW's are the fields of DeepSpeed's ``zero_optimization.zenflow`` block (same
     meaning and validation; an int ``select_interval`` means every that many steps), plus
-    ``max_grad_norm`` (clip by global norm each step) and ``step_backend``: "inductor" compiles
-    the device update, "eager" runs it as plain PyTorch (for debugging).
+    ``max_grad_norm`` (clip by global norm each step), ``step_backend``: "inductor" compiles
+    the device update, "eager" runs it as plain PyTorch (for debugging), and ``nonfinite``:
+    what a step whose gradient norm is NaN or infinite does. "raise" (default) raises
+    ``NonFiniteGradientError``; "skip" skips it (counted in ``stats()["skipped_steps"]``, see
+    ``last_step_skipped``), as fp16 loss scaling needs. Either way nothing is committed.
+
+    A failed CPU AdamW job or collective leaves host state undefined: the optimizer then refuses
+    ``step()``, ``flush()`` and ``state_dict()`` (so that no checkpoint holds that state) until
+    ``load_state_dict()`` restores a checkpoint.
     """
 
     def __init__(
@@ -87,6 +98,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         pt_reserved_cores_perc: float = 0.5,
         max_grad_norm: float | None = None,
         step_backend: str = "inductor",
+        nonfinite: str = "raise",
         zero_stage: int = 2,
         process_group=None,
     ):
@@ -115,6 +127,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             notice("zenflow.offload is not used yet: selected columns' state stays on the device")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        if nonfinite not in ("raise", "skip"):
+            raise ValueError(f'nonfinite must be "raise" or "skip", got {nonfinite!r}')
+        self.nonfinite = nonfinite
         self.topk_ratio = settings.topk_ratio
         self.update_interval = settings.update_interval
         self.select_interval = resolve_select_interval(
@@ -132,6 +147,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             cpu_adam.threads_from_reserved_cores(settings.pt_reserved_cores_perc)
         )
 
+        self._check_one_device()
         self.weights: list[SplitWeight] = []
         self.vectors: list[_Vector] = []
         for group_index, group in enumerate(self.param_groups):
@@ -147,6 +163,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.window_steps = 0
         self.last_step_skipped = False
         self._pending: list[_PendingUpdate] = []
+        self.failure: BaseException | None = None  # set when host state became undefined
         self._clip_next_step: float | None = None
         self._norm_sq: float | None = None
         self._counters = dict(
@@ -158,6 +175,23 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             optimizer_wait_s=0.0,
             cpu_adam_s=0.0,
         )
+
+    def _check_one_device(self) -> None:
+        # One compiled device step per param group takes every state tensor on one device.
+        devices = {}
+        for group_index, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.requires_grad:
+                    devices.setdefault(p.device, (group_index, i, tuple(p.shape)))
+        if len(devices) > 1:
+            found = ", ".join(
+                f"param {i} of group {g} (shape {list(shape)}) on {device}"
+                for device, (g, i, shape) in devices.items()
+            )
+            raise ValueError(
+                f"ZenFlowAdamW needs every trained parameter on one device; found {found}: "
+                "move the model to one device (model.to(device)) before creating the optimizer"
+            )
 
     @staticmethod
     def _split(p: torch.Tensor, group_index: int, comm: DataParallel) -> SplitWeight:
@@ -212,29 +246,79 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     # The step.
 
+    def check_usable(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(
+                f"ZenFlowAdamW cannot continue: an earlier step failed ({self.failure}), which "
+                "left its host state undefined; reload from a checkpoint (load_state_dict, or "
+                "engine.load_checkpoint) before stepping, flushing or saving again"
+            ) from self.failure
+
+    def _check_params_unchanged(self) -> None:
+        # A parameter resized or re-typed in place (p.data = ...) after the optimizer took its
+        # state would otherwise be written with state of the old shape.
+        for w in self.weights:
+            if w.param.shape[0] != w.out or column_count(w.param.shape) != w.columns:
+                raise RuntimeError(
+                    f"a weight owned by ZenFlowAdamW changed shape to {list(w.param.shape)} "
+                    f"after the optimizer was created (it had {w.out} rows and {w.columns} "
+                    "columns); changing the model after creating the optimizer is not "
+                    "supported: create the optimizer (and compile) after the last change"
+                )
+        for v in self.vectors:
+            if v.param.numel() != v.master.numel():
+                raise RuntimeError(
+                    f"a parameter owned by ZenFlowAdamW changed shape to {list(v.param.shape)} "
+                    f"after the optimizer was created (it had {v.master.numel()} elements); "
+                    "create the optimizer after the last change to the model"
+                )
+
     @torch.no_grad()
     def step(self, closure=None, *, grad_divisor: float = 1.0):
         """One optimizer step; returns the closure's loss.
 
         ``grad_divisor`` divides the gradients before clipping and the update (a loss scale).
-        A step whose gradient is not finite is skipped (nothing committed), counted in
-        ``stats()["skipped_steps"]`` and reported by ``last_step_skipped``.
+        A step whose gradient is not finite commits nothing; with ``nonfinite="skip"`` it is
+        counted in ``stats()["skipped_steps"]`` and reported by ``last_step_skipped``, with
+        "raise" it raises ``NonFiniteGradientError``.
         """
+        self.check_usable()
+        self._check_params_unchanged()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        try:
+            return self._step(loss, grad_divisor)
+        except (cpu_adam.CPUAdamError, CollectiveError) as error:
+            self.failure = error
+            raise
+
+    def _step(self, loss, grad_divisor: float):
         norm_sq = self._staged_norm_sq()
         max_norm = self._clip_next_step or self.max_grad_norm
         self._clip_next_step = None
         self._norm_sq = None
         weights = [w for w in self.weights if w.has_staged]
         vectors = [v for v in self.vectors if v.param.grad is not None]
+        if not weights and not vectors:
+            raise RuntimeError(
+                "ZenFlowAdamW.step() without gradients: no parameter it owns got one since the "
+                "last step; call loss.backward() before step() (if the model's parameters were "
+                "replaced after the optimizer was created, create the optimizer again)"
+            )
         self.last_step_skipped = not math.isfinite(norm_sq)
         if self.last_step_skipped:
-            self._counters["skipped_steps"] += 1
             for w in weights:
                 w.discard_staged()
+            if self.nonfinite == "raise":
+                raise NonFiniteGradientError(
+                    f"the gradient norm of step {self.committed_steps + 1} is "
+                    f"{math.sqrt(norm_sq)}: a NaN or infinite gradient; nothing was committed. "
+                    'Find the cause, or skip such steps with nonfinite="skip" (engine config: '
+                    '"nonfinite_gradients": "skip")'
+                )
+            self._counters["skipped_steps"] += 1
             return loss
         coefficient = 1.0 / grad_divisor
         if max_norm is not None:
@@ -423,7 +507,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def _timed_wait(self, handle: cpu_adam.CPUAdamHandle, cpu: bool) -> None:
         started = time.perf_counter()
-        handle.wait()
+        try:
+            handle.wait()
+        except cpu_adam.CPUAdamError as error:
+            self.failure = error
+            raise
         elapsed = time.perf_counter() - started
         self._counters["optimizer_wait_s"] += elapsed
         if cpu:
@@ -432,9 +520,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def flush(self) -> None:
         """Apply everything pending: an overlapped CPU update and the open window's sum."""
-        if self.window_steps:
-            self._close_window(select_boundary=False, force_sync=True)
-        self._finish_pending()
+        self.check_usable()
+        try:
+            if self.window_steps:
+                self._close_window(select_boundary=False, force_sync=True)
+            self._finish_pending()
+        except CollectiveError as error:
+            self.failure = error
+            raise
 
     # Checkpoints.
 
@@ -447,6 +540,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         An overlapped CPU update still running is waited for but not applied: its result reaches
         the parameters at the next window boundary, after a load as without one.
         """
+        self.check_usable()
         if any(w.has_staged for w in self.weights):
             raise RuntimeError(
                 "ZenFlowAdamW.state_dict() between backward() and step(): gradients are staged "
@@ -509,7 +603,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 f"state dict holds weights {saved} and {len(state['vectors'])} vectors; this "
                 f"optimizer has {shapes} and {len(self.vectors)}"
             )
-        self._finish_pending()
+        if self.failure is None:
+            self._finish_pending()
+        else:
+            # Their results are undefined; the loaded state replaces everything they touched.
+            self._pending = []
+            self.failure = None
         for group, saved_group in zip(self.param_groups, state["param_groups"], strict=True):
             group.update(saved_group)
         self.committed_steps = state["committed_steps"]

@@ -3,12 +3,14 @@
 Layout of ``save_checkpoint(save_dir, tag)``::
 
     <save_dir>/<tag>/rank<r>.pt     everything rank r needs to resume (written by rank r)
-    <save_dir>/<tag>/COMMITTED      JSON {"world_size": n}; written by rank 0 after every rank's
-                                    file is in place: a tag without it is incomplete
+    <save_dir>/<tag>/COMMITTED      JSON {"world_size": n, "sha256": [digest of rank r's file]};
+                                    written by rank 0 after every rank's file is in place: a tag
+                                    without it is incomplete
     <save_dir>/latest               the name of the last committed tag
 
 Every file is written to a temporary name, flushed to disk and renamed, so a crash leaves either
-the old file or the new one, never half of one. The marker is written only after a barrier, and
+the old file or the new one, never half of one. Loading checks the file's SHA-256 first:
+torch.load does not notice a flipped byte inside tensor data. The marker is written only after a barrier, and
 ``latest`` only after the marker, so ``latest`` never names a tag that was not committed (while
 a tag is being overwritten its old marker is removed first: a crash then leaves it refused, not
 mixed).
@@ -17,6 +19,7 @@ Checkpoints are pickles read with ``weights_only=False``, as DeepSpeed's are (``
 may hold any picklable object): load only checkpoints you trust.
 """
 
+import hashlib
 import json
 import os
 import pickle
@@ -32,9 +35,30 @@ def rank_file(save_dir: str | os.PathLike, tag: str, rank: int) -> str:
     return os.path.join(save_dir, tag, f"rank{rank}.pt")
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         dist.barrier()
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _gather_digests(digest: str, world_size: int) -> list[str]:
+    """Every rank's digest on every rank (a barrier too: each rank's file is in place)."""
+    if not _distributed():
+        return [digest]
+    digests = [None] * world_size
+    dist.all_gather_object(digests, digest)
+    return digests
 
 
 def write_atomically(path: str, write) -> None:
@@ -67,9 +91,9 @@ def save(
     _barrier()
     path = rank_file(save_dir, tag, rank)
     write_atomically(path, lambda file: torch.save(state, file))
-    _barrier()
+    digests = _gather_digests(_sha256(path), world_size)
     if rank == 0:
-        marker_text = json.dumps({"world_size": world_size}).encode()
+        marker_text = json.dumps({"world_size": world_size, "sha256": digests}).encode()
         write_atomically(os.path.join(directory, MARKER), lambda file: file.write(marker_text))
         if save_latest:
             latest = os.path.join(save_dir, LATEST)
@@ -82,24 +106,35 @@ def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> str | None:
     """``tag``, or the one ``latest`` names; None when there is nothing to load."""
     if tag is not None:
         return tag if os.path.isdir(os.path.join(load_dir, tag)) else None
+    latest = os.path.join(load_dir, LATEST)
     try:
-        with open(os.path.join(load_dir, LATEST), encoding="utf-8") as file:
+        with open(latest, encoding="utf-8") as file:
             return file.read().strip()
     except FileNotFoundError:
         return None
+    except UnicodeDecodeError as error:
+        raise RuntimeError(
+            f"{latest} is corrupted ({error}); pass the tag to load explicitly"
+        ) from None
 
 
 def load(load_dir: str | os.PathLike, tag: str, rank: int, world_size: int) -> tuple[str, dict]:
     """This rank's saved state under a committed ``tag``: (its path, the state)."""
     directory = os.path.join(load_dir, tag)
+    marker = os.path.join(directory, MARKER)
     try:
-        with open(os.path.join(directory, MARKER), encoding="utf-8") as file:
-            saved_world_size = json.load(file)["world_size"]
+        with open(marker, encoding="utf-8") as file:
+            committed = json.load(file)
+        saved_world_size = committed["world_size"]
     except FileNotFoundError:
         raise RuntimeError(
             f"checkpoint tag {tag!r} ({directory}) is incomplete: it has no {MARKER} marker, "
             "so saving it did not finish on every rank; load another tag"
         ) from None
+    except (ValueError, KeyError, TypeError) as error:  # not JSON, or not a marker's JSON
+        raise RuntimeError(
+            f"checkpoint marker {marker} is corrupted ({error!r}); load another tag"
+        ) from error
     if saved_world_size != world_size:
         raise RuntimeError(
             f"checkpoint {directory} was saved by {saved_world_size} processes and this run has "
@@ -108,13 +143,26 @@ def load(load_dir: str | os.PathLike, tag: str, rank: int, world_size: int) -> t
         )
     path = rank_file(load_dir, tag, rank)
     try:
-        # Onto the CPU: the engine moves each piece to where its owner keeps it.
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        actual = _sha256(path)
+        expected = committed["sha256"][rank]
+    except (KeyError, IndexError, TypeError) as error:
+        raise RuntimeError(
+            f"checkpoint marker {marker} is corrupted (no SHA-256 for rank {rank}: {error!r}); "
+            "load another tag"
+        ) from error
     except FileNotFoundError:
         raise RuntimeError(
             f"checkpoint file {path} is missing although tag {tag!r} is committed; the "
             "checkpoint directory was modified after saving"
         ) from None
+    if actual != expected:
+        raise RuntimeError(
+            f"checkpoint file {path} is truncated or corrupted: its SHA-256 differs from the one "
+            f"recorded in {marker} when it was saved; load another tag"
+        )
+    try:
+        # Onto the CPU: the engine moves each piece to where its owner keeps it.
+        state = torch.load(path, map_location="cpu", weights_only=False)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as error:
         raise RuntimeError(
             f"checkpoint file {path} is truncated or corrupted and cannot be loaded ({error}); "

@@ -5,10 +5,32 @@ a contiguous block of every weight's columns. Row chunks that differ in size bet
 padded to the largest, so the equal-size collectives (``reduce_scatter_tensor``,
 ``all_gather_into_tensor``) serve them; gloo (CPU) and NCCL (GPU) both provide those. With one
 process every call is the identity.
+
+A collective that fails (a peer rank died, or did not join within the process group's timeout,
+which gloo and NCCL both enforce) raises ``CollectiveError`` naming the collective.
 """
+
+import time
 
 import torch
 import torch.distributed as dist
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer rank died or did not respond within the timeout."""
+
+
+def _run(name: str, world_size: int, collective, *args, **kwargs) -> None:
+    started = time.monotonic()
+    try:
+        collective(*args, **kwargs)
+    except RuntimeError as error:  # torch.distributed's DistError and backend errors
+        raise CollectiveError(
+            f"{name} across {world_size} ranks failed after {time.monotonic() - started:.1f} s: "
+            f"{error}. A peer rank has probably died or stopped responding (collectives give up "
+            "after the process group's timeout: process_group_timeout_s in the engine config); "
+            "restart every rank and resume from the last checkpoint"
+        ) from error
 
 
 class DataParallel:
@@ -28,13 +50,13 @@ class DataParallel:
 
     def all_reduce_mean_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            dist.all_reduce(tensor, group=self.group)
+            _run("all_reduce", self.world_size, dist.all_reduce, tensor, group=self.group)
             tensor /= self.world_size
         return tensor
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            dist.all_reduce(tensor, group=self.group)
+            _run("all_reduce", self.world_size, dist.all_reduce, tensor, group=self.group)
         return tensor
 
     def _padded(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -61,7 +83,14 @@ class DataParallel:
             return self.all_reduce_mean_(rows.clone())[mine]
         width = max(counts)
         out = rows.new_empty(width, *rows.shape[1:])
-        dist.reduce_scatter_tensor(out, self._padded(rows, counts), group=self.group)
+        _run(
+            "reduce_scatter",
+            self.world_size,
+            dist.reduce_scatter_tensor,
+            out,
+            self._padded(rows, counts),
+            group=self.group,
+        )
         return (out[: counts[self.rank]] / self.world_size).contiguous()
 
     def all_gather_rows(self, mine: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -72,5 +101,12 @@ class DataParallel:
         local = mine.new_zeros(width, *mine.shape[1:])
         local[: counts[self.rank]] = mine
         gathered = mine.new_empty(self.world_size * width, *mine.shape[1:])
-        dist.all_gather_into_tensor(gathered, local, group=self.group)
+        _run(
+            "all_gather",
+            self.world_size,
+            dist.all_gather_into_tensor,
+            gathered,
+            local,
+            group=self.group,
+        )
         return torch.cat([gathered[r * width : r * width + c] for r, c in enumerate(counts)])

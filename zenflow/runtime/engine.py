@@ -26,6 +26,7 @@ compile time. ``engine.compile()`` switches it to Inductor when the model itself
 with Inductor (``options={"inner": "eager"}`` keeps both eager).
 """
 
+import datetime
 import os
 import random
 
@@ -35,7 +36,7 @@ import torch.distributed as dist
 
 from zenflow.config import ZenFlowConfig, build_lr_scheduler, load_config
 from zenflow.notices import notice
-from zenflow.optimizer import ZenFlowAdamW
+from zenflow.optimizer import NonFiniteGradientError, ZenFlowAdamW
 from zenflow.runtime import checkpoint
 from zenflow.runtime.loss_scaler import LossScaler
 from zenflow.runtime.selective_step import compiled_selective_adamw
@@ -80,8 +81,9 @@ def initialize(
         config = from_args
     if config is None:
         raise ValueError("no config: pass config= (a dict or a JSON path) or args.deepspeed_config")
-    _init_distributed()
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    world_size = _world_size()
+    loaded = load_config(config, world_size=world_size)
+    _init_distributed(loaded.process_group_timeout_s)
     # --- Single process only, for now. ZenFlowAdamW partitions its host state across ranks, but
     # --- the engine is not tested there yet, and its torch.optim.AdamW path does not average
     # --- gradients over ranks. Remove this check together with adding 2-process engine tests.
@@ -90,7 +92,7 @@ def initialize(
     engine = Engine(
         model,
         model_parameters,
-        load_config(config, world_size=world_size),
+        loaded,
         training_data=training_data,
         lr_scheduler=lr_scheduler,
         collate_fn=collate_fn,
@@ -98,15 +100,28 @@ def initialize(
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def _init_distributed() -> None:
-    """Join the process group a launcher set up (gloo on CPU, nccl on CUDA), once."""
-    if dist.is_initialized() or not all(name in os.environ for name in _LAUNCHER_ENV):
+def _launched() -> bool:
+    return all(name in os.environ for name in _LAUNCHER_ENV)
+
+
+def _world_size() -> int:
+    """The world size of the process group, or the one a launcher is about to set up."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ["WORLD_SIZE"]) if _launched() else 1
+
+
+def _init_distributed(timeout_s: float) -> None:
+    """Join the process group a launcher set up (gloo on CPU, nccl on CUDA), once. A collective
+    that waits more than ``timeout_s`` for another rank fails instead of hanging."""
+    if dist.is_initialized() or not _launched():
         return
+    timeout = datetime.timedelta(seconds=timeout_s)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl", timeout=timeout)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
 
 
 def _device() -> torch.device:
@@ -151,6 +166,7 @@ class Engine:
         params = model.parameters() if model_parameters is None else model_parameters
         # Built on the fp32 parameters: ZenFlowAdamW takes its fp32 masters from them.
         self.optimizer = _build_optimizer(self.config, params)
+        self._owned_by_name = self._owned_parameters()
         self._cast_to_16_bit()
         if lr_scheduler is None:
             self.lr_scheduler = build_lr_scheduler(self.config, self.optimizer)
@@ -164,6 +180,30 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self._backward_in_window = False
+
+    def _owned_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The module's parameters the optimizer trains, by name."""
+        owned = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        return {
+            name: p
+            for name, p in self.module.named_parameters(remove_duplicate=False)
+            if id(p) in owned
+        }
+
+    def _check_model_unchanged(self) -> None:
+        # A parameter replaced after initialize (module.weight = nn.Parameter(...), or
+        # module.to() with overwrite_module_params_on_conversion) gets gradients the optimizer
+        # never sees: it would silently train nothing.
+        if self._owned_parameters().keys() != self._owned_by_name.keys():
+            current = dict(self.module.named_parameters(remove_duplicate=False))
+            for name in self._owned_by_name:
+                if name not in current or id(current[name]) != id(self._owned_by_name[name]):
+                    raise RuntimeError(
+                        f"the model's parameter {name!r} was replaced (or removed) after "
+                        "zenflow.initialize: the optimizer still holds the old one and would "
+                        "not train the new one; change the model before zenflow.initialize, "
+                        "or initialize again"
+                    )
 
     def _cast_to_16_bit(self) -> None:
         if not self._mixed_precision():
@@ -209,6 +249,8 @@ class Engine:
 
     def step(self) -> None:
         """End a micro-step; at the end of an accumulation window take an optimizer step."""
+        if isinstance(self.optimizer, ZenFlowAdamW):
+            self.optimizer.check_usable()
         if not self._backward_in_window:
             raise RuntimeError(
                 "engine.step() before any engine.backward() in this gradient accumulation "
@@ -218,7 +260,12 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
-        skipped = self._optimizer_step()
+        self._check_model_unchanged()
+        try:
+            skipped = self._optimizer_step()
+        except NonFiniteGradientError:
+            self.zero_grad()  # the window's gradients are unusable; the next window starts clean
+            raise
         self.loss_scaler.update(overflow=skipped)
         if skipped:
             self.skipped_steps += 1
@@ -228,13 +275,24 @@ class Engine:
         self.global_steps += 1
 
     def _optimizer_step(self) -> bool:
-        """Run the optimizer; returns whether the step was skipped (non-finite gradient)."""
+        """Run the optimizer; returns whether the step was skipped (non-finite gradient and
+        nonfinite_gradients "skip"), raises NonFiniteGradientError for "raise"."""
         if isinstance(self.optimizer, ZenFlowAdamW):
             # Clipping (max_grad_norm) and unscaling happen inside, after the overflow check.
             self.optimizer.step(grad_divisor=self.loss_scaler.scale)
             return self.optimizer.last_step_skipped
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if not torch.isfinite(norm):
+            if self.config.nonfinite == "skip":
+                return True
+            raise NonFiniteGradientError(
+                f"the gradient norm of step {self.global_steps + 1} is {norm.item()}: a NaN or "
+                "infinite gradient; nothing was committed. Find the cause, or skip such steps "
+                'with "nonfinite_gradients": "skip" in the config'
+            )
         if self.config.gradient_clipping > 0:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.gradient_clipping)
+            torch.nn.utils.clip_grads_with_norm_(params, self.config.gradient_clipping, norm)
         self.optimizer.step()
         return False
 
@@ -301,6 +359,8 @@ class Engine:
         Collective: every rank calls it. Only between accumulation windows (after the step()
         that ends one): accumulated gradients are not part of a checkpoint.
         """
+        if isinstance(self.optimizer, ZenFlowAdamW):
+            self.optimizer.check_usable()  # a failed run must not overwrite good checkpoints
         if self._backward_in_window or self.micro_steps % self.gradient_accumulation_steps():
             raise RuntimeError(
                 "save_checkpoint() inside a gradient accumulation window: the gradients "
@@ -433,6 +493,7 @@ def _build_optimizer(config: ZenFlowConfig, params) -> torch.optim.Optimizer:
         **zenflow,
         max_grad_norm=config.gradient_clipping or None,  # 0 means no clipping
         step_backend="eager",
+        nonfinite=config.nonfinite,
         # Stage 0 (mixed precision without offload) averages gradients over ranks as stage 1
         # does; partitioning the host state as well changes no value.
         zero_stage=max(config.zero_stage, 1),
