@@ -1,6 +1,7 @@
 """zenflow's C++ CPU AdamW against DeepSpeedCPUAdam and torch.optim.AdamW, side by side.
 
     .venv/bin/python benchmarks/bench_cpu_adam.py [--sizes 10M,50M] [--threads 2] [--reps 5]
+                                                  [--no-deepspeed] [--quick]
 
 Two cases per size:
   adamw     one fp32 AdamW step (read p, g, m, v; write p, m, v: 28 bytes per element);
@@ -33,7 +34,13 @@ def _args():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5, help="timed rounds per case")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam")
-    return parser.parse_args()
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 1M elements, 2 rounds, no DeepSpeed"
+    )
+    args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.reps, args.no_deepspeed = "1M", 2, True
+    return args
 
 
 ARGS = _args()
