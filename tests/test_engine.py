@@ -444,15 +444,6 @@ def test_launcher_environment_initializes_torch_distributed(monkeypatch, tmp_pat
         dist.destroy_process_group()
 
 
-def test_more_than_one_process_is_refused_for_now(monkeypatch):
-    import torch.distributed as dist
-
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    with pytest.raises(NotImplementedError, match="arrives with ZeRO partitioning"):
-        zenflow.initialize(model=mlp(), config=config(zenflow_zero()))
-
-
 def test_model_parameters_as_param_groups():
     model = mlp()
     biases = [p for p in model.parameters() if p.dim() == 1]

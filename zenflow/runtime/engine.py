@@ -84,11 +84,6 @@ def initialize(
     world_size = _world_size()
     loaded = load_config(config, world_size=world_size)
     _init_distributed(loaded.process_group_timeout_s)
-    # --- Single process only, for now. ZenFlowAdamW partitions its host state across ranks, but
-    # --- the engine is not tested there yet, and its torch.optim.AdamW path does not average
-    # --- gradients over ranks. Remove this check together with adding 2-process engine tests.
-    if world_size > 1:
-        raise NotImplementedError("multi-process training arrives with ZeRO partitioning")
     engine = Engine(
         model,
         model_parameters,
@@ -282,6 +277,11 @@ class Engine:
             self.optimizer.step(grad_divisor=self.loss_scaler.scale)
             return self.optimizer.last_step_skipped
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Data parallel without ZeRO: every rank steps on the mean gradient, as DDP would.
+            for p in params:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if not torch.isfinite(norm):
             if self.config.nonfinite == "skip":
