@@ -1,7 +1,7 @@
 """zenflow's training step against its peers, side by side in one run.
 
     .venv/bin/python benchmarks/bench_step.py [--quick] [--steps 24] [--regime both]
-        [--width 1024] [--blocks 2] [--classes 2048] [--small-batch 4] [--large-batch 128]
+        [--width 1024] [--blocks 2] [--classes 2048] [--small-batch 4] [--large-batch 64]
 
 Rows (same model, data, hyperparameters, gradient_accumulation_steps 1):
   zenflow            torch.compile(backend="zenflow") + ZenFlowAdamW(topk 0.1, update_interval 4,
@@ -69,7 +69,7 @@ def _args(argv=None):
     parser.add_argument("--blocks", type=int, default=None, help="residual MLP blocks (2)")
     parser.add_argument("--classes", type=int, default=None, help="classifier outputs (2048)")
     parser.add_argument("--small-batch", type=int, default=None, help="rows, optimizer-bound (4)")
-    parser.add_argument("--large-batch", type=int, default=None, help="rows, compute-heavy (128)")
+    parser.add_argument("--large-batch", type=int, default=None, help="rows, compute-heavy (64)")
     parser.add_argument(
         "--peers",
         default=None,
@@ -104,7 +104,7 @@ def _args(argv=None):
         blocks=2,
         classes=2048,
         small_batch=4,
-        large_batch=128,
+        large_batch=64,
         inner="inductor",
         regime="both",
         peers=",".join(PEERS[:-1]),
