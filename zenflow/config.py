@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 import typing
 from typing import Annotated, Any, ClassVar, Literal
@@ -581,6 +582,36 @@ _SCHEDULER_PARAMS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
 }
 
 
+# Value kinds of those parameters, checked at load (DeepSpeed's classes fail only when stepping).
+# Every other parameter is a number; those ending in _lr or _mom may be a list with one number
+# per param group.
+_SCHEDULER_FLAGS = frozenset({"cycle_momentum", "lr_range_test_staircase"})
+_SCHEDULER_NULLABLE = frozenset(
+    {"warmup_max_lr", "cycle_second_step_size", "cycle_second_stair_count"}
+)
+_WARMUP_TYPES = ("log", "linear")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _scheduler_value_problem(name: str, value: Any) -> str | None:
+    """What is wrong with ``value`` for scheduler parameter ``name``, or None."""
+    if name in _SCHEDULER_FLAGS:
+        return None if isinstance(value, bool) else f"must be true or false, got {_describe(value)}"
+    if name == "warmup_type":
+        if value in _WARMUP_TYPES:
+            return None
+        return f'must be "log" or "linear", got {_describe(value)}'
+    if _is_number(value) or (value is None and name in _SCHEDULER_NULLABLE):
+        return None
+    per_group = name.endswith(("_lr", "_mom")) and isinstance(value, list)
+    if per_group and value and all(_is_number(v) for v in value):
+        return None
+    return f"must be a finite number, got {_describe(value)}"
+
+
 class SchedulerConfig(_Section):
     """``scheduler``: one of DeepSpeed's LR schedules, built by ``build_lr_scheduler``.
 
@@ -614,6 +645,10 @@ class SchedulerConfig(_Section):
                 )
         for name in sorted(required - self.params.keys()):
             raise _Problem(f"params.{name}", f"required by {self.type}")
+        for name, value in self.params.items():
+            problem = _scheduler_value_problem(name, value)
+            if problem is not None:
+                raise _Problem(f"params.{name}", problem)
         return self
 
 
@@ -1011,7 +1046,7 @@ def _check_keys(data: Any, model: type[_Section], path: str) -> dict:
         )
     checked = {}
     for key, value in data.items():
-        where = f"{path}.{key}" if path else str(key)
+        where = f"{path}.{_key_name(key)}" if path else _key_name(key)
         field = model.model_fields.get(key)
         if field is not None:
             section = _section_type(field.annotation)
@@ -1029,6 +1064,14 @@ def _check_keys(data: Any, model: type[_Section], path: str) -> dict:
                 f"{', '.join(sorted(model.model_fields))}"
             )
     return checked
+
+
+def _key_name(key: Any) -> str:
+    """``key`` as written in a message: quoted as JSON when it would not read as one key (empty,
+    blank at an end, or holding a control character, a dot or ": ")."""
+    key = str(key)
+    plain = key and key.strip() == key and key.isprintable() and "." not in key
+    return key if plain and ": " not in key else json.dumps(key)
 
 
 def _section_type(annotation: Any) -> type[_Section] | None:
