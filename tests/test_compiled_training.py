@@ -20,12 +20,16 @@ def train(name, model, opt, data, micro_batches=1):
         opt.step()
 
 
+RUNTIME_ONLY = ("offload", "accumulate_on_device")  # where state lives, not what it computes
+
+
 def compiled_vs_reference(name, inner, steps=12, micro_batches=1, **settings):
     hyper = dict(lr=1e-2, weight_decay=0.01, **SCHEDULE)
     hyper.update(settings)
     data = batches(name, steps)
     oracle_model = build(name)
-    oracle = ReferenceZenFlowAdamW(oracle_model.parameters(), **hyper)
+    semantics = {k: v for k, v in hyper.items() if k not in RUNTIME_ONLY}
+    oracle = ReferenceZenFlowAdamW(oracle_model.parameters(), **semantics)
     model = build(name)
     opt = ZenFlowAdamW(model.parameters(), step_backend=inner, **hyper)
     compiled = torch.compile(model, backend="zenflow", options={"inner": inner})
@@ -57,8 +61,18 @@ def test_compiled_inductor_equals_reference(name):
         dict(max_grad_norm=0.05),
         dict(topk_ratio=0.0, update_interval=1, select_interval=1),
         dict(topk_ratio=1.0),
+        dict(offload=True, overlap_step=True),
+        dict(accumulate_on_device=True, overlap_step=True),
     ],
-    ids=["overlap", "warm-up", "clipping", "plain-offload", "all-on-device"],
+    ids=[
+        "overlap",
+        "warm-up",
+        "clipping",
+        "plain-offload",
+        "all-on-device",
+        "selected-state-offloaded",
+        "device-side-sums",
+    ],
 )
 def test_schedule_variants_equal_reference(settings):
     oracle_model, model, _, _ = compiled_vs_reference("mlp", "eager", **settings)

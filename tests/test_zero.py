@@ -32,8 +32,9 @@ def two_ranks(tmp_path, settings) -> list[dict]:
         dict(zero_stage=2),
         dict(zero_stage=2, overlap_step=True, compiled=True),
         dict(zero_stage=1, overlap_step=True, max_grad_norm=0.05),
+        dict(zero_stage=2, offload=True),
     ],
-    ids=["stage1", "stage2", "stage2-overlap-compiled", "stage1-overlap-clipped"],
+    ids=["stage1", "stage2", "stage2-overlap-compiled", "stage1-overlap-clipped", "offload"],
 )
 def test_two_ranks_equal_one_rank_and_the_reference(tmp_path, settings):
     settings = {**SCHEDULE, **settings}
@@ -44,7 +45,8 @@ def test_two_ranks_equal_one_rank_and_the_reference(tmp_path, settings):
     )
 
     oracle_model = build("mlp")
-    reference_settings = {k: v for k, v in settings.items() if k not in ("zero_stage", "compiled")}
+    runtime_only = ("zero_stage", "compiled", "offload")
+    reference_settings = {k: v for k, v in settings.items() if k not in runtime_only}
     oracle = ReferenceZenFlowAdamW(oracle_model.parameters(), **reference_settings)
     for inputs, targets in batches("mlp", 12):
         oracle.zero_grad()

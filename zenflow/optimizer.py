@@ -20,7 +20,6 @@ import torch
 
 from zenflow.columns import column_count, has_columns, select_top_columns, topk_count
 from zenflow.config import resolve_select_interval, zenflow_block
-from zenflow.notices import notice
 from zenflow.runtime import cpu_adam
 from zenflow.runtime.auto_interval import AutoUpdateInterval
 from zenflow.runtime.comm import CollectiveError, DataParallel
@@ -92,6 +91,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         steps_per_epoch: int | None = None,
         overlap_step: bool = False,
         offload: bool = False,
+        accumulate_on_device: bool = False,
         full_warm_up_rounds: int = 0,
         auto_ratio: float = 0.99,
         max_update_interval: int = 16,
@@ -123,13 +123,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if max_update_interval < 1:
                 raise ValueError(f"max_update_interval must be >= 1, got {max_update_interval}")
             self._auto = AutoUpdateInterval(settings.auto_ratio, max_update_interval)
-        if offload:
-            notice("zenflow.offload is not used yet: selected columns' state stays on the device")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if nonfinite not in ("raise", "skip"):
             raise ValueError(f'nonfinite must be "raise" or "skip", got {nonfinite!r}')
         self.nonfinite = nonfinite
+        self.accumulate_on_device = accumulate_on_device
         self.topk_ratio = settings.topk_ratio
         self.update_interval = settings.update_interval
         self.select_interval = resolve_select_interval(
@@ -155,7 +154,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if not p.requires_grad:
                     continue
                 if has_columns(p):
-                    self.weights.append(self._split(p, group_index, self.comm))
+                    self.weights.append(
+                        self._split(p, group_index, self.comm, offload, accumulate_on_device)
+                    )
                 else:
                     self.vectors.append(_Vector.of(p, group_index))
 
@@ -194,13 +195,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             )
 
     @staticmethod
-    def _split(p: torch.Tensor, group_index: int, comm: DataParallel) -> SplitWeight:
+    def _split(
+        p: torch.Tensor, group_index: int, comm: DataParallel, offload: bool, on_device: bool
+    ) -> SplitWeight:
         if not p.is_contiguous():
             raise ValueError(
                 f"ZenFlowAdamW needs contiguous weights; got one of shape {tuple(p.shape)} "
                 f"with strides {p.stride()}: make it contiguous before creating the optimizer"
             )
-        return SplitWeight(p, group_index, comm, pin=True)
+        return SplitWeight(p, group_index, comm, True, offload, on_device)
 
     # Gradients.
 
@@ -386,14 +389,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._counters["reselections"] += 1
 
     def _device_commit(self, weights, vectors, coefficient: float) -> None:
-        """The selected rows and the 1-D parameters: one compiled AdamW call per param group."""
-        for group_index in range(len(self.param_groups)):
+        """The selected rows and the 1-D parameters: one compiled AdamW call per param group
+        and device (with ``offload`` the selected rows are updated on the host)."""
+        calls = {}
+        for w in weights:
+            if w.k > 0:
+                calls.setdefault((w.group_index, w.state_device), ([], []))[0].append(w)
+        for v in vectors:
+            calls.setdefault((v.group_index, v.param.device), ([], []))[1].append(v)
+        for (group_index, device), (rows, vecs) in calls.items():
             hyper = self._hyper(group_index)
-            rows = [w for w in weights if w.group_index == group_index and w.k > 0]
-            vecs = [v for v in vectors if v.group_index == group_index]
-            if not rows and not vecs:
-                continue
-            device = (rows[0].param if rows else vecs[0].param).device
             self._device_step(
                 [w.device_master for w in rows] + [v.master for v in vecs],
                 [w.device_exp_avg for w in rows] + [v.exp_avg for v in vecs],
@@ -409,7 +414,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 hyper["weight_decay"],
             )
             for w in rows:
-                w.write_selected()
+                self._counters["h2d_bytes"] += w.write_selected()
             for v in vecs:
                 v.param.copy_(v.master.view_as(v.param))
 
@@ -446,9 +451,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         clipping the CPU update folds the addition into its own pass instead."""
         for w in weights:
             if w.accumulator is None:
-                w.accumulator = torch.zeros(w.host_stage.shape)
+                w.accumulator = torch.zeros_like(w.host_stage, dtype=torch.float32)
             w.in_window = True
-            if fuse_last and coefficient == 1.0:
+            if fuse_last and coefficient == 1.0 and not w.accumulate_on_device:
                 w.last_grad = w.host_stage
             else:
                 w.accumulator.add_(w.host_stage, alpha=coefficient)
@@ -461,26 +466,45 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for group_index, group_weights in self._by_group(weights):
             for w in group_weights:
                 w.host_steps[w.k_local :] += 1
-            handle = cpu_adam.submit_boundary_adamw_step(
-                [w.host_master[w.k_local :] for w in group_weights],
-                [w.accumulator for w in group_weights],
-                [w.last_grad for w in group_weights],
-                [w.host_exp_avg[w.k_local :] for w in group_weights],
-                [w.host_exp_avg_sq[w.k_local :] for w in group_weights],
-                n=self.window_steps,
+            state = dict(
                 steps=[w.host_steps[w.k_local :] for w in group_weights],
                 segment_len=[w.out for w in group_weights],
                 **self._hyper(group_index),
             )
+            masters = [w.host_master[w.k_local :] for w in group_weights]
+            exp_avgs = [w.host_exp_avg[w.k_local :] for w in group_weights]
+            exp_avg_sqs = [w.host_exp_avg_sq[w.k_local :] for w in group_weights]
+            if self.accumulate_on_device:
+                sums = [w.ship_window_sum() for w in group_weights]
+                self._counters["d2h_bytes"] += sum(t.numel() * t.element_size() for t in sums)
+                handle = cpu_adam.submit_adamw_step(
+                    masters,
+                    sums,
+                    exp_avgs,
+                    exp_avg_sqs,
+                    grad_scale=1.0 / self.window_steps,
+                    **state,
+                )
+            else:
+                handle = cpu_adam.submit_boundary_adamw_step(
+                    masters,
+                    [w.accumulator for w in group_weights],
+                    [w.last_grad for w in group_weights],
+                    exp_avgs,
+                    exp_avg_sqs,
+                    n=self.window_steps,
+                    **state,
+                )
             pending = _PendingUpdate(handle, group_weights, [w.accumulator for w in group_weights])
             if background:
-                # The job reads (then zeroes) this window's sum while the next window fills
-                # the other buffer.
-                for w, used in zip(group_weights, pending.accumulators, strict=True):
-                    w.accumulator = w.spare_accumulator
-                    if w.accumulator is None:
-                        w.accumulator = torch.zeros_like(used)
-                    w.spare_accumulator = None
+                if not self.accumulate_on_device:
+                    # The job reads (then zeroes) this window's sum while the next window
+                    # fills the other buffer. (A device-side sum was shipped: nothing to swap.)
+                    for w, used in zip(group_weights, pending.accumulators, strict=True):
+                        w.accumulator = w.spare_accumulator
+                        if w.accumulator is None:
+                            w.accumulator = torch.zeros_like(used)
+                        w.spare_accumulator = None
                 self._pending.append(pending)
             else:
                 self._apply(pending)

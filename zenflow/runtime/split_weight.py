@@ -10,6 +10,11 @@ The host state (fp32 master, moments, per-column step counts) of the natural col
 (``k_local`` rows, stale while on the device), then its unselected ones. Because blocks are
 fixed, reselection moves state between device and host, never between ranks, and never
 resets it.
+
+Options: ``offload`` keeps the selected rows' state in (pinned) host memory instead, updated
+there every step, as DeepSpeed's ``offload`` does; ``accumulate_on_device`` sums the unselected
+rows on the device and ships the window's sum to the host once per window instead of every
+step's gradient (one rank only: the sum would need its own reduction).
 """
 
 import torch
@@ -21,8 +26,23 @@ from zenflow.runtime.streams import copy_stream
 
 
 class SplitWeight:
-    def __init__(self, param: torch.Tensor, group_index: int, comm: DataParallel, pin: bool):
+    def __init__(
+        self,
+        param: torch.Tensor,
+        group_index: int,
+        comm: DataParallel,
+        pin: bool,
+        offload: bool = False,
+        accumulate_on_device: bool = False,
+    ):
+        if accumulate_on_device and comm.world_size > 1:
+            raise ValueError(
+                "accumulate_on_device needs a single process: with several ranks the window's "
+                "sum would need its own reduction; turn it off or run on one rank"
+            )
         self.param = param
+        self.state_device = torch.device("cpu") if offload else param.device
+        self.accumulate_on_device = accumulate_on_device
         self.group_index = group_index
         self.comm = comm
         self.out = param.shape[0]
@@ -55,7 +75,7 @@ class SplitWeight:
         return tensor.pin_memory() if self.pin_memory else tensor
 
     def _empty_device_state(self) -> None:
-        device = self.param.device
+        device = self.state_device
         self.device_master = torch.empty(0, self.out, device=device)
         self.device_exp_avg = torch.empty(0, self.out, device=device)
         self.device_exp_avg_sq = torch.empty(0, self.out, device=device)
@@ -81,7 +101,7 @@ class SplitWeight:
         selected, unselected = rows[: self.k], rows[self.k :]
         if self.micro_batches == 0:
             self.device_stage = selected.to(torch.float32, copy=True)
-            if self.distributed:
+            if self.distributed or self.accumulate_on_device:
                 self.host_stage = unselected.to(torch.float32, copy=True)
             else:
                 self._host_copy = copy_stream(self.param.device).copy_to_host(unselected)
@@ -92,7 +112,7 @@ class SplitWeight:
             if self.host_stage.dtype != torch.float32:
                 self.host_stage = self.host_stage.float()
             self.host_stage += unselected.to(self.host_stage.device, torch.float32)
-            if not self.distributed:
+            if not (self.distributed or self.accumulate_on_device):
                 self.staged_bytes += unselected.numel() * rows.element_size()
         self.micro_batches += 1
 
@@ -128,11 +148,19 @@ class SplitWeight:
         transfer started in ``stage``."""
         if not self.distributed:
             self._finish_host_copy()
+            self._stage_selected_where_updated()
             return
         self.comm.all_reduce_mean_(self.device_stage)
         mine = self.comm.reduce_scatter_mean(self.host_stage, self.unselected_counts)
         self.host_stage = self._host(mine.cpu())
         self.staged_bytes += self.host_stage.numel() * self.host_stage.element_size()
+        self._stage_selected_where_updated()
+
+    def _stage_selected_where_updated(self) -> None:
+        """With ``offload`` the selected rows are updated on the host: their gradient goes there."""
+        if self.device_stage.device != self.state_device:
+            self.device_stage = self.device_stage.to(self.state_device)
+            self.staged_bytes += self.device_stage.numel() * self.device_stage.element_size()
 
     def staged_scores(self) -> torch.Tensor:
         """Squared column norms of the staged (summed, reduced) gradient, in global column
@@ -198,7 +226,8 @@ class SplitWeight:
             rows = torch.zeros(entering.numel(), *host.shape[1:], dtype=host.dtype)
             owned = mine[entering]
             rows[owned] = host[local_row[entering[owned]]]
-            entering_rows.append(self.comm.all_reduce_sum_(rows.to(self.param.device)))
+            rows = self.comm.all_reduce_sum_(rows.to(self.param.device))
+            entering_rows.append(rows.to(self.state_device))
 
         unselected = (~now).nonzero().flatten()
         new_local_order = torch.cat(
@@ -232,15 +261,27 @@ class SplitWeight:
         if self.has_staged:
             self.device_stage = device_rows[4]
             self.host_stage = self._host(host_state[4][self.k_local :])
+            if self.accumulate_on_device:
+                self.host_stage = self.host_stage.to(self.param.device)
             self.score_parts = []
         return to_host, to_device
 
+    def ship_window_sum(self) -> torch.Tensor:
+        """``accumulate_on_device``: the window's sum, in the parameter's dtype, on the host;
+        the device accumulator starts the next window at zero."""
+        window_sum = self.accumulator.to("cpu", self.param.dtype, copy=True)
+        self.accumulator.zero_()
+        return window_sum
+
     # Writing updated values into the parameter the model computes with.
 
-    def write_selected(self) -> None:
-        as_matrix(self.param.data).index_copy_(
-            1, self.order[: self.k], self.device_master.t().to(self.param.dtype)
-        )
+    def write_selected(self) -> int:
+        """Copy the selected rows' new values into the parameter; returns the bytes that
+        crossed to the device (only with ``offload``)."""
+        values = self.device_master.t().to(self.param.device, self.param.dtype)
+        as_matrix(self.param.data).index_copy_(1, self.order[: self.k], values)
+        crossed = self.state_device != self.param.device
+        return crossed * values.numel() * values.element_size()
 
     def write_unselected(self) -> int:
         """Send this rank's unselected host rows, gathered from every rank, into the parameter;
