@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.zenflow-installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo test soak lint bench install clean
 
 install: $(STAMP)
 
@@ -28,6 +28,10 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Only the long-running tests (soak, crash loops); `make test` runs them too.
+soak: $(STAMP)
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	@for script in benchmarks/bench_*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
