@@ -496,3 +496,12 @@ def test_adaptive_update_interval_from_the_config():
     assert optimizer._auto.auto_ratio == 0.5  # the config's, not the optimizer's default
     train(engine, 4)
     assert engine.stats()["steps"] == 4
+
+
+def test_zenflow_extensions_from_the_config_reach_the_optimizer():
+    zero = zenflow_zero(accumulate_on_device=True, update_interval="auto", max_update_interval=5)
+    engine, optimizer, _, _ = zenflow.initialize(model=mlp(), config=config(zero))
+    assert optimizer.accumulate_on_device
+    assert optimizer._auto.max_interval == 5
+    train(engine, 6)
+    assert optimizer.stats()["cpu_updates"] >= 1

@@ -228,6 +228,11 @@ class ZenFlowBlock(_Section):
     time: ``load_config(..., steps_per_epoch=n)`` or ``with_steps_per_epoch(n)``.
     """
 
+    extensions: ClassVar[frozenset[str]] = frozenset(
+        {"accumulate_on_device", "max_update_interval"}
+    )
+    """Fields DeepSpeed's ZenFlowConfig does not have."""
+
     topk_ratio: float = Field(0.1, ge=0.0, le=1.0)
     """Fraction of each weight's columns updated on the device every step."""
     select_strategy: Literal["auto", "step", "epoch"] = "auto"
@@ -240,6 +245,11 @@ class ZenFlowBlock(_Section):
     """Run the CPU update asynchronously, overlapped with the next window's compute."""
     offload: bool = False
     """Keep the selected columns' Adam state in pinned host memory instead of on the device."""
+    accumulate_on_device: bool = False
+    """zenflow extension: sum unselected gradients on the device (fp32) and ship each window's
+    sum once, instead of every step's gradient (less traffic, more device memory; one rank)."""
+    max_update_interval: Int = Field(16, ge=1)
+    """zenflow extension: the longest window update_interval "auto" may choose."""
     auto_ratio: float = Field(0.99, ge=0.0, le=1.0)
     """Threshold of the adaptive update interval (update_interval "auto")."""
     full_warm_up_rounds: Int = Field(0, ge=0)

@@ -470,7 +470,9 @@ def _build_optimizer(config: ZenFlowConfig, params) -> torch.optim.Optimizer:
         zenflow = dict(
             topk_ratio=block.topk_ratio,
             update_interval=block.update_interval,
-            auto_ratio=block.auto_ratio,  # max_update_interval is not a DeepSpeed key: default
+            auto_ratio=block.auto_ratio,
+            max_update_interval=block.max_update_interval,
+            accumulate_on_device=block.accumulate_on_device,
             select_interval=block.select_interval,
             select_strategy=block.select_strategy,
             steps_per_epoch=block.steps_per_epoch,
