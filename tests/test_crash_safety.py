@@ -43,59 +43,83 @@ def base(tmp_path_factory):
     return root
 
 
-def assert_survivors_load(save_dir, expected_module: dict, tags: list[str]) -> list[str]:
-    """The tag ``latest`` names loads; each of ``tags`` either is committed and loads the
-    expected state, or is refused as incomplete. Returns the committed ones."""
+def load_tag(save_dir, tag: str | None, expected_module: dict) -> dict:
+    """Load ``tag`` (None: the one ``latest`` names) into a fresh engine, check its module
+    against ``expected_module`` and return its client_state."""
     engine = engine_worker.build()
-    path, _ = engine.load_checkpoint(save_dir)
+    path, client_state = engine.load_checkpoint(save_dir, tag=tag)
     assert path is not None
-    committed = []
-    for tag in tags:
-        fresh = engine_worker.build()
-        if (save_dir / tag / "COMMITTED").exists():
-            fresh.load_checkpoint(save_dir, tag=tag)
-            for name, value in expected_module.items():
-                assert torch.equal(fresh.module.state_dict()[name], value), (tag, name)
-            committed.append(tag)
-        else:
-            with pytest.raises(RuntimeError, match=f"tag '{tag}' .* is incomplete"):
-                fresh.load_checkpoint(save_dir, tag=tag)
-    return committed
+    for name, value in expected_module.items():
+        assert torch.equal(engine.module.state_dict()[name], value), (tag, name)
+    return client_state
+
+
+def is_committed(save_dir, tag: str, expected_module: dict) -> bool:
+    """Whether ``tag`` loads (checking what it holds) or is refused as incomplete."""
+    if (save_dir / tag / "COMMITTED").exists():
+        load_tag(save_dir, tag, expected_module)
+        return True
+    with pytest.raises(RuntimeError, match=f"tag '{tag}' .* is incomplete"):
+        engine_worker.build().load_checkpoint(save_dir, tag=tag)
+    return False
 
 
 def base_module(base) -> dict:
     return torch.load(base / "state.pt", weights_only=False)["module"]
 
 
-# (function, call): a save calls os.fsync then os.replace for the rank file, then the marker,
-# then ``latest``; dying before call n of either leaves the first n - 1 files of the new tag.
-KILL_POINTS = [("fsync", 1), ("replace", 1), ("fsync", 2), ("replace", 2), ("replace", 3)]
+# (function, call) of a save: os.fsync 1 and os.replace 1 write rank0.pt.next, fsync 2 and
+# replace 2 the marker (the commit point), replace 3 renames rank0.pt.next to rank0.pt, fsync 3
+# and replace 4 write ``latest``. Dying just before each of these leaves, in turn: a partial
+# temporary file; rank0.pt.next but no new marker; a new marker with rank0.pt.next not yet
+# renamed; the new tag complete but ``latest`` not updated.
+KILL_POINTS = [("fsync", 1), ("fsync", 2), ("replace", 3), ("replace", 4)]
 
 
-@pytest.mark.parametrize("function, call", KILL_POINTS, ids=[f"{f}{n}" for f, n in KILL_POINTS])
-def test_sigkill_at_each_point_of_a_save(tmp_path, base, function, call):
-    save_dir = tmp_path / "ckpt"
-    shutil.copytree(base / "ckpt", save_dir)
+def save_and_die(base, save_dir, tag: str, version: int, function: str, call: int) -> None:
     child = subprocess.run(
         [sys.executable, "-m", "tests.save_worker", str(base / "state.pt"), str(save_dir)]
-        + [function, str(call)],
+        + [tag, str(version), function, str(call)],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=CHILD_TIMEOUT_S,
     )
     assert child.returncode == -signal.SIGKILL, child.stderr
-    committed = assert_survivors_load(save_dir, base_module(base), ["base", "new"])
-    # The marker is renamed into place by the second os.replace: only then is "new" committed.
-    assert committed == (["base", "new"] if (function, call) == ("replace", 3) else ["base"])
+
+
+@pytest.mark.parametrize("tag", ["new", "base"], ids=["new-tag", "overwrite"])
+@pytest.mark.parametrize("function, call", KILL_POINTS, ids=[f"{f}{n}" for f, n in KILL_POINTS])
+def test_sigkill_at_each_point_of_a_save(tmp_path, base, function, call, tag):
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(base / "ckpt", save_dir)
+    save_and_die(base, save_dir, tag, 1, function, call)
+    committed = (function, call) in [("replace", 3), ("replace", 4)]
+    expected = base_module(base)
     assert (save_dir / "latest").read_text() == "base"
+    base_state = load_tag(save_dir, None, expected)
+    if tag == "new":
+        assert base_state == {}
+        assert is_committed(save_dir, "new", expected) == committed
+    else:  # the previous state of the tag until the commit point, the new one after it
+        assert base_state == ({"version": 1} if committed else {})
+
+
+def test_a_second_crash_keeps_what_the_first_committed(tmp_path, base):
+    # The first save of "base" dies after its commit point, before renaming rank0.pt.next; the
+    # second dies before its own commit point, having rewritten rank0.pt.next.
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(base / "ckpt", save_dir)
+    save_and_die(base, save_dir, "base", 1, "replace", 3)
+    save_and_die(base, save_dir, "base", 2, "fsync", 2)
+    assert load_tag(save_dir, "base", base_module(base)) == {"version": 1}
 
 
 @pytest.mark.slow
 def test_sigkill_at_random_moments_of_repeated_saves(tmp_path, base):
     rng = random.Random(0)
-    kills = 12
-    for attempt in range(kills):
+    expected = base_module(base)
+    for attempt in range(8):
         save_dir = tmp_path / f"ckpt{attempt}"
         shutil.copytree(base / "ckpt", save_dir)
         child = subprocess.Popen(
@@ -110,14 +134,14 @@ def test_sigkill_at_random_moments_of_repeated_saves(tmp_path, base):
         finally:
             child.kill()
             child.wait(timeout=CHILD_TIMEOUT_S)
-        saved = sorted(
-            int(tag.removeprefix("loop")) for tag in os.listdir(save_dir) if "loop" in tag
-        )
-        last_two = [f"loop{i}" for i in saved[-2:]]
-        committed = assert_survivors_load(save_dir, base_module(base), ["base", *last_two])
-        # latest names the newest committed tag, or the one before while the newest was
-        # committed but latest not yet renamed into place.
-        assert "base" in committed and (save_dir / "latest").read_text() in committed[-2:]
+        loops = sorted(int(t.removeprefix("loop")) for t in os.listdir(save_dir) if "loop" in t)
+        committed = [i for i in loops[-2:] if is_committed(save_dir, f"loop{i}", expected)]
+        # "base" (overwritten at every odd save) always loads: its last committed version.
+        version = load_tag(save_dir, "base", expected)["version"]
+        assert version % 2 == 1 and version >= max(committed, default=0) - 1
+        latest = (save_dir / "latest").read_text()
+        assert latest in ["base"] + [f"loop{i}" for i in committed]
+        load_tag(save_dir, None, expected)
 
 
 # A data-parallel peer that dies or hangs.

@@ -4,16 +4,21 @@ Layout of ``save_checkpoint(save_dir, tag)``::
 
     <save_dir>/<tag>/rank<r>.pt     everything rank r needs to resume (written by rank r)
     <save_dir>/<tag>/COMMITTED      JSON {"world_size": n, "sha256": [digest of rank r's file]};
-                                    written by rank 0 after every rank's file is in place: a tag
-                                    without it is incomplete
+                                    a tag without it is incomplete
     <save_dir>/latest               the name of the last committed tag
 
 Every file is written to a temporary name, flushed to disk and renamed, so a crash leaves either
-the old file or the new one, never half of one. Loading checks the file's SHA-256 first:
-torch.load does not notice a flipped byte inside tensor data. The marker is written only after a barrier, and
-``latest`` only after the marker, so ``latest`` never names a tag that was not committed (while
-a tag is being overwritten its old marker is removed first: a crash then leaves it refused, not
-mixed).
+the old file or the new one, never half of one. A save goes in three phases:
+
+1. each rank writes its state to ``rank<r>.pt.next``;
+2. rank 0 writes the marker with every rank's digest: the commit point;
+3. each rank renames ``rank<r>.pt.next`` to ``rank<r>.pt``; then rank 0 writes ``latest``.
+
+A crash before the commit point leaves the tag as it was (absent, or its previous committed
+state when it is being overwritten); after it, the new state. Loading takes the file whose
+SHA-256 the marker records (``rank<r>.pt``, or ``.next`` after a crash in phase 3) and refuses
+any other: torch.load alone does not notice a flipped byte inside tensor data. ``latest`` never
+names a tag that was not committed.
 
 Checkpoints are pickles read with ``weights_only=False``, as DeepSpeed's are (``client_state``
 may hold any picklable object): load only checkpoints you trust.
@@ -29,6 +34,7 @@ import torch.distributed as dist
 
 MARKER = "COMMITTED"
 LATEST = "latest"
+_NEXT = ".next"
 
 
 def rank_file(save_dir: str | os.PathLike, tag: str, rank: int) -> str:
@@ -85,16 +91,21 @@ def save(
     directory = os.path.join(save_dir, tag)
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
-        marker = os.path.join(directory, MARKER)
-        if os.path.exists(marker):
-            os.remove(marker)  # overwriting this tag: it is incomplete until committed again
     _barrier()
     path = rank_file(save_dir, tag, rank)
-    write_atomically(path, lambda file: torch.save(state, file))
-    digests = _gather_digests(_sha256(path), world_size)
+    if os.path.exists(path + _NEXT):  # left by a save that crashed: finish its phase 3
+        committed = _matching_file(path, _recorded_digest(directory, rank))
+        if committed is not None and committed != path:
+            os.replace(committed, path)
+    write_atomically(path + _NEXT, lambda file: torch.save(state, file))
+    digests = _gather_digests(_sha256(path + _NEXT), world_size)
     if rank == 0:
         marker_text = json.dumps({"world_size": world_size, "sha256": digests}).encode()
         write_atomically(os.path.join(directory, MARKER), lambda file: file.write(marker_text))
+    _barrier()
+    os.replace(path + _NEXT, path)
+    _barrier()
+    if rank == 0:
         if save_latest:
             latest = os.path.join(save_dir, LATEST)
             write_atomically(latest, lambda file: file.write(tag.encode()))
@@ -116,6 +127,23 @@ def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> str | None:
         raise RuntimeError(
             f"{latest} is corrupted ({error}); pass the tag to load explicitly"
         ) from None
+
+
+def _recorded_digest(directory: str, rank: int) -> str | None:
+    """The digest the marker in ``directory`` records for ``rank``; None if it has none."""
+    try:
+        with open(os.path.join(directory, MARKER), encoding="utf-8") as file:
+            return json.load(file)["sha256"][rank]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def _matching_file(path: str, digest: str | None) -> str | None:
+    """``path`` or ``path.next``, whichever has SHA-256 ``digest``; None if neither has."""
+    for candidate in (path, path + _NEXT):
+        if os.path.exists(candidate) and _sha256(candidate) == digest:
+            return candidate
+    return None
 
 
 def load(load_dir: str | os.PathLike, tag: str, rank: int, world_size: int) -> tuple[str, dict]:
@@ -143,23 +171,24 @@ def load(load_dir: str | os.PathLike, tag: str, rank: int, world_size: int) -> t
         )
     path = rank_file(load_dir, tag, rank)
     try:
-        actual = _sha256(path)
-        expected = committed["sha256"][rank]
+        digest = committed["sha256"][rank]
     except (KeyError, IndexError, TypeError) as error:
         raise RuntimeError(
             f"checkpoint marker {marker} is corrupted (no SHA-256 for rank {rank}: {error!r}); "
             "load another tag"
         ) from error
-    except FileNotFoundError:
+    found = _matching_file(path, digest)
+    if found is None and not os.path.exists(path):
         raise RuntimeError(
             f"checkpoint file {path} is missing although tag {tag!r} is committed; the "
             "checkpoint directory was modified after saving"
-        ) from None
-    if actual != expected:
+        )
+    if found is None:
         raise RuntimeError(
             f"checkpoint file {path} is truncated or corrupted: its SHA-256 differs from the one "
             f"recorded in {marker} when it was saved; load another tag"
         )
+    path = found
     try:
         # Onto the CPU: the engine moves each piece to where its owner keeps it.
         state = torch.load(path, map_location="cpu", weights_only=False)
