@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test: lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not cuda" $(PYTEST_ARGS)
 
 # Only the long-running tests (soak, crash loops); `make test` runs them too.
 soak: $(STAMP)

@@ -1,0 +1,278 @@
+"""The CUDA paths: copy streams, pinned host state, compiled training, NCCL with one rank.
+
+Every test here carries the ``cuda`` marker. ``make test`` deselects them (``-m "not cuda"``):
+they are not skipped on a CPU machine, they are not collected for the run at all.
+``benchmarks/gpu_check.sh`` runs them on a GPU machine (``python -m pytest -m cuda``). Run on a
+machine without CUDA, they fail (loudly) rather than skip.
+
+Placement the runtime promises, checked along the way: host state (fp32 master, moments, step
+counts of the unselected columns) on the CPU, pinned when the parameter is on CUDA; device
+state (selected columns, 1-D parameters) on the parameter's device, or on the CPU with
+``offload``. Matmuls run in full fp32 (TF32 off), so compiled runs match the eager oracle
+within rtol 1e-4, atol 1e-5.
+"""
+
+import datetime
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from tests.models import batches, build, loss_of
+from zenflow.optimizer import ZenFlowAdamW
+from zenflow.reference import ReferenceZenFlowAdamW
+from zenflow.runtime.comm import DataParallel
+from zenflow.runtime.split_weight import SplitWeight
+from zenflow.runtime.streams import CopyStream, copy_stream
+
+pytestmark = pytest.mark.cuda
+
+GPU_TOL = dict(rtol=1e-4, atol=1e-5)
+SCHEDULE = dict(lr=1e-2, weight_decay=0.01, topk_ratio=0.25, update_interval=2, select_interval=4)
+RUNTIME_ONLY = ("offload", "accumulate_on_device", "zero_stage")  # where, not what
+
+
+@pytest.fixture(autouse=True)
+def cuda_fp32():
+    """A CUDA device, and full fp32 matmuls (TF32 would cost three decimal digits)."""
+    if not torch.cuda.is_available():
+        pytest.fail(
+            "tests/test_cuda.py needs a CUDA device; on a machine without one, deselect these "
+            'tests with -m "not cuda" (as make test does)'
+        )
+    torch._dynamo.reset()  # each test compiles afresh: no cache entry limit across tests
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield torch.device("cuda", torch.cuda.current_device())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        torch.cuda.synchronize()
+
+
+def on(device, data):
+    return [(x.to(device), y.to(device)) for x, y in data]
+
+
+def train(model, opt, data, name="mlp"):
+    for inputs, targets in data:
+        opt.zero_grad()
+        loss_of(name, model, inputs, targets).backward()
+        opt.step()
+
+
+def zenflow_run(device, inner, steps=12, flush=False, **settings):
+    """The MLP trained on ``device`` by ZenFlowAdamW through backend "zenflow"."""
+    hyper = {**SCHEDULE, **settings}
+    model = build("mlp").to(device)
+    opt = ZenFlowAdamW(model.parameters(), step_backend=inner, **hyper)
+    compiled = torch.compile(model, backend="zenflow", options={"inner": inner})
+    train(compiled, opt, on(device, batches("mlp", steps)))
+    if flush:
+        opt.flush()
+    return model, opt
+
+
+def reference_run(device, steps=12, flush=False, **settings):
+    hyper = {k: v for k, v in {**SCHEDULE, **settings}.items() if k not in RUNTIME_ONLY}
+    model = build("mlp").to(device)
+    opt = ReferenceZenFlowAdamW(model.parameters(), **hyper)
+    train(model, opt, on(device, batches("mlp", steps)))
+    if flush:
+        opt.flush()
+    return model, opt
+
+
+def assert_placement(opt: ZenFlowAdamW, device: torch.device, offload: bool = False) -> None:
+    state_device = "cpu" if offload else device.type
+    for w in opt.weights:
+        for host in (w.host_master, w.host_exp_avg, w.host_exp_avg_sq):
+            assert host.device.type == "cpu" and host.is_pinned()
+        assert w.host_steps.device.type == "cpu"
+        for state in (w.device_master, w.device_exp_avg, w.device_exp_avg_sq, w.device_steps):
+            assert state.device.type == state_device
+        assert w.order.device.type == device.type
+    for v in opt.vectors:
+        assert v.master.device.type == device.type and v.steps.device.type == device.type
+
+
+# Copy streams.
+
+
+def test_copy_to_host_keeps_the_source_as_it_was_at_the_call(cuda_fp32):
+    for dtype in (torch.float32, torch.bfloat16):
+        source = torch.randn(1024, 512, device=cuda_fp32).to(dtype)
+        expected = source.cpu()
+        pending = CopyStream(cuda_fp32).copy_to_host(source)
+        source.fill_(-7.0)  # a compiled graph reusing the buffer right after the hand-off
+        source.mul_(3.0)
+        host = pending.wait()
+        assert host.device.type == "cpu" and host.is_pinned() and host.dtype == dtype
+        assert torch.equal(host, expected)
+
+
+def test_copy_to_host_completes_while_later_compute_still_runs(cuda_fp32):
+    """The copy runs on a side stream: it does not wait for work queued after the call."""
+    source = torch.randn(256, 1024, device=cuda_fp32)
+    expected = source.cpu()
+    pending = CopyStream(cuda_fp32).copy_to_host(source)
+    # Work queued on the current stream after the hand-off: a spin kernel of ~0.5 s or more
+    # (1e9 clock cycles; at most ~2 GHz), then an event to tell whether it has finished.
+    torch.cuda._sleep(1_000_000_000)
+    after_compute = torch.cuda.Event()
+    after_compute.record()
+    host = pending.wait()
+    still_running = not after_compute.query()
+    torch.cuda.synchronize()
+    assert torch.equal(host, expected)
+    assert still_running, "the device-to-host copy waited for compute queued after it"
+
+
+def test_one_copy_stream_per_cuda_device(cuda_fp32):
+    stream = copy_stream(cuda_fp32)
+    assert stream is copy_stream(cuda_fp32)
+    assert stream._stream is not None and stream._stream != torch.cuda.current_stream()
+
+
+# Pinned host state.
+
+
+def test_split_weight_pins_host_state_of_a_cuda_parameter(cuda_fp32):
+    param = torch.nn.Parameter(torch.randn(8, 16, device=cuda_fp32))
+    w = SplitWeight(param, 0, DataParallel(), pin=True)
+    for host in (w.host_master, w.host_exp_avg, w.host_exp_avg_sq):
+        assert host.device.type == "cpu" and host.is_pinned()
+    assert torch.equal(w.host_master, param.detach().t().cpu())
+    assert w.device_master.device == param.device and w.device_master.shape == (0, 8)
+
+    # Reselection rebuilds the host tensors: still pinned; the selected rows go to the device.
+    w.reselect(torch.tensor([1, 5, 9]))
+    for host in (w.host_master, w.host_exp_avg, w.host_exp_avg_sq):
+        assert host.is_pinned()
+    assert w.device_master.device == param.device and w.device_master.shape == (3, 8)
+    assert torch.equal(w.device_master.cpu(), param.detach().t()[[1, 5, 9]].cpu())
+
+    other = torch.nn.Parameter(torch.randn(4, 4, device=cuda_fp32))
+    assert not SplitWeight(other, 0, DataParallel(), pin=False).host_master.is_pinned()
+
+
+def test_split_weight_of_a_cpu_parameter_is_never_pinned(cuda_fp32):
+    w = SplitWeight(torch.nn.Parameter(torch.randn(4, 6)), 0, DataParallel(), pin=True)
+    assert not w.host_master.is_pinned()
+
+
+# Compiled training against the oracle.
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_compiled_training_on_cuda_equals_reference(cuda_fp32, inner):
+    model, opt = zenflow_run(cuda_fp32, inner)
+    oracle_model, _ = reference_run(cuda_fp32)
+    assert_close(list(model.parameters()), list(oracle_model.parameters()), **GPU_TOL)
+    assert opt.stats()["reselections"] == 3 and opt.stats()["cpu_updates"] == 6
+    assert all(p.grad is None for p in model.parameters() if p.dim() >= 2)
+    assert_placement(opt, cuda_fp32)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(overlap_step=True),
+        dict(offload=True),
+        dict(offload=True, overlap_step=True),
+        dict(accumulate_on_device=True),
+        dict(accumulate_on_device=True, overlap_step=True),
+        dict(topk_ratio=0.0, update_interval=1, select_interval=1),
+    ],
+    ids=[
+        "overlap",
+        "offload",
+        "offload-overlap",
+        "device-sums",
+        "device-sums-overlap",
+        "plain-offload",
+    ],
+)
+def test_runtime_options_on_cuda_equal_reference(cuda_fp32, settings):
+    model, opt = zenflow_run(cuda_fp32, "eager", flush=True, **settings)
+    oracle_model, _ = reference_run(cuda_fp32, flush=True, **settings)
+    assert_close(list(model.parameters()), list(oracle_model.parameters()), **GPU_TOL)
+    assert_placement(opt, cuda_fp32, offload=settings.get("offload", False))
+    if settings.get("accumulate_on_device"):
+        assert all(
+            w.accumulator.device.type == "cuda" for w in opt.weights if w.accumulator is not None
+        )
+
+
+def test_bf16_model_trains_on_cuda(cuda_fp32):
+    """A bf16 model (as the GPU benchmark runs it): fp32 state, bf16 parameters, loss falls."""
+    model = build("mlp").to(cuda_fp32, torch.bfloat16)
+    opt = ZenFlowAdamW(model.parameters(), step_backend="inductor", overlap_step=True, **SCHEDULE)
+    compiled = torch.compile(model, backend="zenflow", options={"inner": "inductor"})
+    data = on(cuda_fp32, batches("mlp", 1)) * 24  # one batch, over and over: the loss must fall
+    losses = []
+    for inputs, targets in data:
+        opt.zero_grad()
+        loss = loss_of("mlp", compiled, inputs.bfloat16(), targets.bfloat16())
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(w.host_master.dtype == torch.float32 for w in opt.weights)
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+# Traffic accounting does not depend on the device.
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(), dict(overlap_step=True), dict(accumulate_on_device=True), dict(topk_ratio=0.0)],
+    ids=["default", "overlap", "device-sums", "plain-offload"],
+)
+def test_stats_byte_counts_are_the_same_on_cpu_and_cuda(cuda_fp32, settings):
+    # (With offload=True they differ by design: on a CPU the "device" state is already on the
+    # host, so nothing crosses; see the GPU check's notes.)
+    _, on_cpu = zenflow_run(torch.device("cpu"), "eager", flush=True, **settings)
+    _, on_gpu = zenflow_run(cuda_fp32, "eager", flush=True, **settings)
+    keys = ("steps", "selected_fraction", "reselections", "cpu_updates", "d2h_bytes", "h2d_bytes")
+    assert {k: on_gpu.stats()[k] for k in keys} == {k: on_cpu.stats()[k] for k in keys}
+    assert on_gpu.stats()["d2h_bytes"] > 0 and on_gpu.stats()["h2d_bytes"] > 0
+
+
+# NCCL with one rank.
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_nccl_with_one_rank_equals_the_single_process_run(cuda_fp32, zero_stage):
+    single, _ = zenflow_run(cuda_fp32, "eager", flush=True, zero_stage=zero_stage)
+    torch.cuda.set_device(cuda_fp32)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        assert dist.get_backend() == "nccl"
+        probe = torch.full((4,), 3.0, device=cuda_fp32)
+        dist.all_reduce(probe)  # NCCL itself works (the runtime skips collectives at size 1)
+        assert torch.equal(probe.cpu(), torch.full((4,), 3.0))
+        model, opt = zenflow_run(cuda_fp32, "eager", flush=True, zero_stage=zero_stage)
+        assert (opt.comm.world_size, opt.comm.rank) == (1, 0)
+        assert_placement(opt, cuda_fp32)
+    finally:
+        dist.destroy_process_group()
+    assert_close(list(model.parameters()), list(single.parameters()), **GPU_TOL)
+    oracle_model, _ = reference_run(cuda_fp32, flush=True)
+    assert_close(list(model.parameters()), list(oracle_model.parameters()), **GPU_TOL)
