@@ -1,54 +1,59 @@
-"""Two ranks train with ZenFlowAdamW over gloo; rank 1 dies (or hangs) at step 4:
+"""Two engine ranks train over gloo, launched as torchrun would; rank 1 dies (or hangs) at step 4:
 
-    run(rank, port, timeout_s, mode, out_dir)   # mode "die" or "hang"
+    run(rank, port, timeout_s, mode, zero, out_dir)   # mode "die" or "hang"
 
-Rank 0 writes what its failing step raised, and how long that took, to out_dir/rank0.json.
+Rank 0 writes what its failing step raised, and how long that step took, to out_dir/rank0.json.
 """
 
-import datetime
 import json
 import os
 import time
 
-import torch.distributed as dist
+import torch
+import torch.nn.functional as F
+from torch import nn
 
-from tests.models import batches, build, loss_of
-from zenflow.optimizer import ZenFlowAdamW
+import zenflow
 
 FAILING_STEP = 4
 
 
-def run(rank: int, port: int, timeout_s: float, mode: str, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timeout)
-    model = build("mlp")
-    opt = ZenFlowAdamW(
-        model.parameters(),
-        step_backend="eager",
-        topk_ratio=0.25,
-        update_interval=2,
-        select_interval=4,
-        overlap_step=True,
+def run(rank: int, port: int, timeout_s: float, mode: str, zero: dict, out_dir: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
-    for step, (inputs, targets) in enumerate(batches("mlp", 20)):
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": zero,
+        "process_group_timeout_s": timeout_s,
+    }
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    engine, *_ = zenflow.initialize(model=model, config=config)
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(20):
         if rank == 1 and step == FAILING_STEP:
             if mode == "die":
                 os._exit(1)
             time.sleep(3600)  # alive, but never joins another collective
-        half = slice(rank * 4, rank * 4 + 4)
-        opt.zero_grad()
-        loss_of("mlp", model, inputs[half], targets[half]).backward()
+        x, y = torch.randn(4, 6, generator=generator), torch.randn(4, 3, generator=generator)
+        engine.backward(F.mse_loss(engine(x), y))
         started = time.monotonic()
         try:
-            opt.step()
+            engine.step()
         except Exception as error:
+            failure = getattr(engine.optimizer, "failure", None)
             result = {
                 "step": step,
                 "type": type(error).__name__,
                 "message": str(error),
                 "seconds": time.monotonic() - started,
-                "failed_state": opt.failure is error,
+                "failed_state": failure is error,
             }
             with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as file:
                 json.dump(result, file)

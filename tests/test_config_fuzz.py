@@ -271,7 +271,8 @@ def names_a_key(message: str, config: dict) -> bool:
 def train_one_step(engine) -> None:
     dtype = next(engine.module.parameters()).dtype
     for _ in range(engine.gradient_accumulation_steps()):
-        x, y = torch.randn(4, 6, dtype=dtype), torch.randn(4, 2, dtype=dtype)
+        x = torch.randn(4, 6, dtype=dtype, device=engine.device)
+        y = torch.randn(4, 2, dtype=dtype, device=engine.device)
         engine.backward(F.mse_loss(engine(x), y))
         engine.step()
     assert engine.global_steps == 1

@@ -122,8 +122,8 @@ def mlp() -> nn.Module:
 def engine_step(engine, i: int, dtype=torch.float32, poison: bool = False) -> None:
     for micro in range(2):
         generator = torch.Generator().manual_seed(2 * i + micro)
-        x = torch.randn(4, 8, generator=generator).to(dtype)
-        y = torch.randn(4, 4, generator=generator).to(dtype)
+        x = torch.randn(4, 8, generator=generator).to(engine.device, dtype)
+        y = torch.randn(4, 4, generator=generator).to(engine.device, dtype)
         if poison:
             x[0, 0] = float("inf")
         engine.backward(F.mse_loss(engine(x), y))
@@ -331,7 +331,7 @@ def test_parameter_replaced_after_initialize_is_refused(compiled):
     if compiled:
         engine.compile(options={"inner": "eager"})
     engine_step(engine, 0)
-    engine.module[2].weight = nn.Parameter(torch.randn(4, 16))
+    engine.module[2].weight = nn.Parameter(torch.randn(4, 16, device=engine.device))
     with pytest.raises(RuntimeError, match=r"parameter '2.weight' was replaced"):
         engine_step(engine, 1)
 

@@ -38,6 +38,7 @@ from zenflow.config import ZenFlowConfig, build_lr_scheduler, load_config
 from zenflow.notices import notice
 from zenflow.optimizer import NonFiniteGradientError, ZenFlowAdamW
 from zenflow.runtime import checkpoint
+from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.loss_scaler import LossScaler
 from zenflow.runtime.selective_step import compiled_selective_adamw
 
@@ -277,11 +278,10 @@ class Engine:
             self.optimizer.step(grad_divisor=self.loss_scaler.scale)
             return self.optimizer.last_step_skipped
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            # Data parallel without ZeRO: every rank steps on the mean gradient, as DDP would.
-            for p in params:
-                dist.all_reduce(p.grad)
-                p.grad /= dist.get_world_size()
+        # Data parallel without ZeRO: every rank steps on the mean gradient, as DDP would.
+        data_parallel = DataParallel()
+        for p in params:
+            data_parallel.all_reduce_mean_(p.grad)
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if not torch.isfinite(norm):
             if self.config.nonfinite == "skip":
