@@ -1,0 +1,591 @@
+"""zenflow vs DeepSpeed ZeRO-Offload vs no offload: one GPT training step on a GPU.
+
+    python benchmarks/bench_gpu_step.py [--device cuda] [--out DIR] [--peers zenflow,ds-offload,adamw]
+        [--layers 24] [--width 1024] [--heads 16] [--seq 512] [--batch 8] [--vocab 50304]
+        [--warmup N] [--steps 16] [--profile-steps N] [--inner inductor] [--peer-timeout S]
+    python benchmarks/bench_gpu_step.py --device cpu --quick   # a smoke run of the same code on CPU
+    python benchmarks/bench_gpu_step.py --summarize --out DIR  # the table from the JSON files in DIR
+
+benchmarks/gpu_check.sh runs it once per row, each under its own time limit. Without a CUDA
+device and without --device cpu it prints a note and exits 0 (so `make bench` passes on CPUs).
+
+Model: examples/gpt_model.py's GPT (pre-LN, tied LM head) at GPT-2-medium size by default: 24
+layers, width 1024, 16 heads, 512 tokens, vocabulary 50304: 355M parameters, bf16 on the GPU.
+Data: fixed random token batches (the step time does not depend on what is learnt).
+
+Rows, each in its own process (DeepSpeed initializes torch.distributed; the rows must not share
+a process group, a compile cache in memory or CPU threads):
+  zenflow          torch.compile(model, backend="zenflow") (Inductor) + zenflow.ZenFlowAdamW
+                   (topk 0.1, update_interval 4, select_interval 8, overlap_step) on the bf16 model
+  ds-offload       DeepSpeed ZeRO stage 2, offload_optimizer cpu (pinned), bf16, AdamW through
+                   DeepSpeedCPUAdam (built just in time on first use), overlap_comm and
+                   contiguous_gradients as DeepSpeed's offload tutorial sets them; eager model
+  adamw            no offload: the bf16 model compiled by Inductor, fp32 master weights and
+                   torch.optim.AdamW(fused=True) on the GPU (grads cast to fp32, masters copied back)
+  zenflow-devsum   (optional) zenflow with accumulate_on_device: window sums on the GPU
+  zenflow-offload  (optional) zenflow with topk 0, update_interval 1: ZeRO-Offload through zenflow
+
+Measured per row, after --warmup steps (zenflow: one select cycle, which includes compilation):
+  step time   wall clock of fwd + bwd + optimizer step with a device synchronize at the end of
+              each step, over --steps steps: median (and mean, min, max in the JSON);
+  idle        the device-idle (stall) fraction over --profile-steps further steps, measured with
+              torch.profiler (CUDA activity only): 1 - (union of the intervals in which a kernel or
+              memset ran) / (wall time of those steps). Copies do not count as busy: a GPU whose
+              SMs wait for a transfer or for the host is stalled. The profiler adds a little
+              host overhead, so this errs towards idle; it is the same for every row;
+  fwd+bwd     CUDA events around forward + backward on the current stream, as a share of the
+              step's wall time (the events' span also contains any gaps inside fwd + bwd);
+  bytes/step  host<->device traffic per step: zenflow from stats() (d2h_bytes + h2d_bytes);
+              DeepSpeed analytic ("~": bf16 gradients to the host and bf16 weights back, 2 x 2
+              bytes per parameter per step); and, for every row, measured from the profiler's
+              memcpy records (HtoD + DtoH bytes over the profiled steps).
+Each row writes DIR/bench_<row>.json as soon as it is timed and again after profiling, then
+DIR/bench.md (the table of every row present so far), so a run cut short still reports.
+"""
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ("zenflow", "ds-offload", "adamw", "zenflow-devsum", "zenflow-offload")
+DEFAULT_PEERS = "zenflow,ds-offload,adamw"
+HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+ZENFLOW = dict(topk_ratio=0.1, update_interval=4, select_interval=8, overlap_step=True)
+CYCLE = ZENFLOW["select_interval"]
+
+
+def _args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke)")
+    parser.add_argument("--out", default=None, help="results directory (runs/bench_gpu_step)")
+    parser.add_argument("--peers", default=DEFAULT_PEERS, help=f"comma-separated, from {PEERS}")
+    parser.add_argument("--layers", type=int, default=None, help="GPT layers (24)")
+    parser.add_argument("--width", type=int, default=None, help="model width (1024)")
+    parser.add_argument("--heads", type=int, default=None, help="attention heads (16)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (512)")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per step (8)")
+    parser.add_argument("--vocab", type=int, default=None, help="vocabulary (50304)")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="cuda: bf16")
+    parser.add_argument("--warmup", type=int, default=None, help="zenflow 8 (a cycle), else 3")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (16)")
+    parser.add_argument("--profile-steps", type=int, default=None, help="zenflow 8, else 4")
+    parser.add_argument(
+        "--inner",
+        choices=("inductor", "eager"),
+        default=None,
+        help="inductor (default): zenflow over Inductor, adamw's model by Inductor; eager: "
+        'zenflow options={"inner": "eager"}, adamw aot_eager (--quick)',
+    )
+    parser.add_argument(
+        "--ds-torch-adam",
+        action="store_true",
+        help="DeepSpeed: torch's Adam on the CPU instead of DeepSpeedCPUAdam (no JIT build)",
+    )
+    parser.add_argument("--peer-timeout", type=float, default=None, help="seconds per row")
+    parser.add_argument("--summarize", action="store_true", help="only rewrite the table")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    quick = dict(layers=2, width=64, heads=2, seq=32, batch=2, vocab=256, steps=8, inner="eager")
+    full = dict(layers=24, width=1024, heads=16, seq=512, batch=8, vocab=50304, steps=16)
+    full["inner"] = "inductor"
+    for name, value in (quick if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.out is None:
+        args.out = str(ROOT / "runs" / "bench_gpu_step")
+    return args
+
+
+def _param_count(args) -> int:
+    w = args.width
+    block = 2 * 2 * w + (3 * w * w + 3 * w) + (w * w + w) + (4 * w * w + 4 * w) + (4 * w * w + w)
+    return args.vocab * w + args.seq * w + args.layers * block + 2 * w
+
+
+# The worker: one row, in its own process.
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _ZenFlow:
+    def __init__(self, peer, model, args):
+        import torch
+
+        import zenflow
+
+        settings = dict(ZENFLOW)
+        if peer == "zenflow-devsum":
+            settings["accumulate_on_device"] = True
+        if peer == "zenflow-offload":
+            settings = dict(topk_ratio=0.0, update_interval=1, select_interval=1)
+        self.settings = settings
+        self.opt = zenflow.ZenFlowAdamW(
+            model.parameters(), **HYPER, step_backend=args.inner, **settings
+        )
+        self.model = torch.compile(model, backend="zenflow", options={"inner": args.inner})
+
+    def forward_backward(self, x, y):
+        _, loss = self.model(x, y)
+        loss.backward()
+        return loss
+
+    def optimizer_step(self):
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def counters(self) -> dict:
+        return self.opt.stats()
+
+    def analytic_bytes_per_step(self, params: int, element_size: int):
+        return None
+
+
+class _AdamW:
+    """No offload: everything on the device; fp32 masters when the model is 16-bit."""
+
+    def __init__(self, peer, model, args):
+        import torch
+
+        self.settings = dict(fused=True, fp32_masters=True)
+        self.module = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.mixed = any(p.dtype != torch.float32 for p in self.params)
+        self.masters = [p.detach().float().clone() for p in self.params] if self.mixed else None
+        self.opt = torch.optim.AdamW(self.masters or self.params, **HYPER, fused=True)
+        backend = "inductor" if args.inner == "inductor" else "aot_eager"
+        self.model = torch.compile(model, backend=backend)
+
+    def forward_backward(self, x, y):
+        _, loss = self.model(x, y)
+        loss.backward()
+        return loss
+
+    def optimizer_step(self):
+        import torch
+
+        if self.mixed:
+            for m, p in zip(self.masters, self.params, strict=True):
+                m.grad = p.grad.float()
+                p.grad = None
+        self.opt.step()
+        if self.mixed:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.masters, strict=True):
+                    p.copy_(m)
+        self.opt.zero_grad(set_to_none=True)
+        self.module.zero_grad(set_to_none=True)
+
+    def counters(self) -> dict:
+        return {}
+
+    def analytic_bytes_per_step(self, params: int, element_size: int):
+        return 0
+
+
+class _DeepSpeed:
+    def __init__(self, peer, model, args):
+        import torch
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        for key, value in dict(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+        ).items():
+            os.environ.setdefault(key, value)
+        import deepspeed
+
+        cuda = next(model.parameters()).device.type == "cuda"
+        optimizer = dict(HYPER, betas=list(HYPER["betas"]))
+        if args.ds_torch_adam:
+            optimizer["torch_adam"] = True
+        zero = {
+            "stage": 2,
+            "offload_optimizer": {"device": "cpu", "pin_memory": cuda},
+            "overlap_comm": cuda,
+            "contiguous_gradients": True,
+        }
+        bf16 = next(model.parameters()).dtype == torch.bfloat16
+        self.settings = dict(zero_optimization=zero, bf16=bf16, torch_adam=args.ds_torch_adam)
+        config = {
+            "train_micro_batch_size_per_gpu": args.batch,
+            "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": optimizer},
+            "zero_optimization": zero,
+            "bf16": {"enabled": bf16},
+            "steps_per_print": 10**9,
+        }
+        self.engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+
+    def forward_backward(self, x, y):
+        _, loss = self.engine(x, y)
+        self.engine.backward(loss)
+        return loss
+
+    def optimizer_step(self):
+        self.engine.step()
+
+    def counters(self) -> dict:
+        return {}
+
+    def analytic_bytes_per_step(self, params: int, element_size: int):
+        # ZeRO-Offload: every gradient to the host, every updated weight back, each step.
+        return 2 * params * element_size
+
+
+def _union_seconds(intervals) -> float:
+    total, end = 0.0, None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total / 1e6  # trace timestamps are microseconds
+
+
+def _profile(runner, batches, device, steps: int) -> dict:
+    """Device-busy time and copies over ``steps`` steps, from a torch.profiler trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _sync(device)
+        started = time.perf_counter()
+        for i in range(steps):
+            runner.forward_backward(*batches[i % len(batches)])
+            runner.optimizer_step()
+        _sync(device)
+        wall = time.perf_counter() - started
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    # Kineto's categories: "kernel", "gpu_memset", "gpu_memcpy" (older: "Kernel", "Memset",
+    # "Memcpy"); memcpy records carry args["bytes"].
+    timed = [e for e in events if "dur" in e and "ts" in e and isinstance(e.get("cat"), str)]
+    kernels = [
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        for e in timed
+        if e["cat"].lower() == "kernel" or "memset" in e["cat"].lower()
+    ]
+    copies = [e for e in timed if "memcpy" in e["cat"].lower()]
+    copy_intervals = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in copies]
+
+    def moved(kind: str):
+        chosen = [e for e in copies if kind in e.get("name", "")]
+        if any("bytes" not in e.get("args", {}) for e in chosen):
+            return None
+        return sum(int(e["args"]["bytes"]) for e in chosen) / steps
+
+    busy = _union_seconds(kernels)
+    return dict(
+        steps=steps,
+        wall_s=wall,
+        kernel_events=len(kernels),
+        kernel_busy_s=busy,
+        idle_fraction=max(0.0, 1.0 - busy / wall) if kernels else None,
+        copy_busy_s=_union_seconds(copy_intervals),
+        h2d_bytes_per_step=moved("HtoD"),
+        d2h_bytes_per_step=moved("DtoH"),
+    )
+
+
+def _write_json(path: Path, record: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
+
+
+def _worker(args, peer: str) -> int:
+    started = time.perf_counter()
+    out = Path(args.out)
+    path = out / f"bench_{peer}.json"
+    record = dict(peer=peer, status="starting", device=args.device, quick=args.quick)
+    try:
+        import torch
+
+        sys.path.insert(0, str(ROOT / "examples"))
+        from gpt_model import GPT, GPTConfig
+
+        device = torch.device(args.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+        record.update(
+            torch=torch.__version__,
+            python=platform.python_version(),
+            gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            dtype=args.dtype,
+            model=dict(
+                layers=args.layers,
+                width=args.width,
+                heads=args.heads,
+                seq=args.seq,
+                batch=args.batch,
+                vocab=args.vocab,
+            ),
+        )
+        torch.manual_seed(0)
+        config = GPTConfig(
+            vocab_size=args.vocab,
+            block_size=args.seq,
+            n_layer=args.layers,
+            n_head=args.heads,
+            n_embd=args.width,
+        )
+        model = GPT(config).to(device=device, dtype=dtype)
+        params = sum(p.numel() for p in model.parameters())
+        element_size = next(model.parameters()).element_size()
+        record["params"] = params
+        g = torch.Generator().manual_seed(1)
+        batches = []
+        for _ in range(4):
+            tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+            batches.append((tokens[:, :-1].to(device), tokens[:, 1:].to(device)))
+        kind = _DeepSpeed if peer == "ds-offload" else _AdamW if peer == "adamw" else _ZenFlow
+        runner = kind(peer, model, args)
+        record["settings"] = runner.settings
+        warmup = args.warmup if args.warmup is not None else CYCLE if "zenflow" in peer else 3
+        for i in range(warmup):
+            runner.forward_backward(*batches[i % len(batches)])
+            runner.optimizer_step()
+            _sync(device)
+        record.update(status="warmed up", setup_s=time.perf_counter() - started, warmup=warmup)
+        _write_json(path, record)
+        print(f"[{peer}] set up, compiled and warmed up in {record['setup_s']:.1f}s", flush=True)
+
+        before = runner.counters()
+        times, spans, losses = [], [], []
+        for i in range(args.steps):
+            x, y = batches[(warmup + i) % len(batches)]
+            if device.type == "cuda":
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+            _sync(device)
+            t0 = time.perf_counter()
+            if device.type == "cuda":
+                begin.record()
+            loss = runner.forward_backward(x, y)
+            if device.type == "cuda":
+                end.record()
+            runner.optimizer_step()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            if device.type == "cuda":
+                spans.append(begin.elapsed_time(end) / 1000)
+            losses.append(float(loss.detach().float()))
+        after = runner.counters()
+        delta = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int | float)}
+        moved = delta.get("d2h_bytes", 0) + delta.get("h2d_bytes", 0)
+        analytic = runner.analytic_bytes_per_step(params, element_size)
+        record.update(
+            status="timed",
+            steps=args.steps,
+            step_times_s=times,
+            median_s=statistics.median(times),
+            mean_s=statistics.fmean(times),
+            min_s=min(times),
+            max_s=max(times),
+            fwd_bwd_share=(
+                statistics.fmean(s / t for s, t in zip(spans, times, strict=True))
+                if spans
+                else None
+            ),
+            losses=losses,
+            counters=delta,
+            bytes_per_step=moved / args.steps if after else analytic,
+            bytes_per_step_source="stats" if after else "analytic",
+            peak_memory_gb=(
+                torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+            ),
+        )
+        _write_json(path, record)
+        print(
+            f"[{peer}] median step {1000 * record['median_s']:.1f} ms over {args.steps} steps",
+            flush=True,
+        )
+
+        profile_steps = args.profile_steps
+        if profile_steps is None:
+            profile_steps = CYCLE if "zenflow" in peer else 4
+        if device.type == "cuda" and profile_steps > 0:
+            record["profile"] = _profile(runner, batches, device, profile_steps)
+            idle = record["profile"]["idle_fraction"]
+            print(f"[{peer}] device idle over {profile_steps} profiled steps: {idle}", flush=True)
+        record.update(status="done", total_s=time.perf_counter() - started)
+        _write_json(path, record)
+        return 0
+    except Exception as error:
+        traceback.print_exc()
+        record.update(status="failed", error=f"{type(error).__name__}: {error}"[:2000])
+        record["total_s"] = time.perf_counter() - started
+        _write_json(path, record)
+        return 1
+
+
+# The parent: run the rows, then the table.
+
+
+def _mb(n) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / 2**20:.0f} MB" if n >= 2**20 or n == 0 else f"{n / 2**10:.1f} KB"
+
+
+def _summarize(args) -> str:
+    out = Path(args.out)
+    records = {}
+    for name in PEERS:
+        path = out / f"bench_{name}.json"
+        if path.exists():
+            records[name] = json.loads(path.read_text())
+    ours = records.get("zenflow", {}).get("median_s")
+    first = next(iter(records.values()), {})
+    lines = [
+        "# bench_gpu_step: one GPT training step, zenflow vs DeepSpeed ZeRO-Offload vs no offload",
+        "",
+        f"device: {first.get('gpu') or first.get('device')}, torch {first.get('torch')}, "
+        f"python {first.get('python')}, {first.get('dtype')}; model {first.get('model')}, "
+        f"{(first.get('params') or 0) / 1e6:.1f}M parameters",
+        "",
+        "| row | status | median step | mean | device idle | fwd+bwd share | bytes/step "
+        "| bytes/step (profiler) | peak GPU mem | setup | row / zenflow |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in records.items():
+        median = r.get("median_s")
+        prof = r.get("profile") or {}
+        idle = prof.get("idle_fraction")
+        measured = None
+        if (
+            prof.get("h2d_bytes_per_step") is not None
+            and prof.get("d2h_bytes_per_step") is not None
+        ):
+            measured = prof["h2d_bytes_per_step"] + prof["d2h_bytes_per_step"]
+        moved = r.get("bytes_per_step")
+        marker = "~" if r.get("bytes_per_step_source") == "analytic" and moved else ""
+        share = r.get("fwd_bwd_share")
+        mem = r.get("peak_memory_gb")
+        status = r.get("status", "?")
+        if status == "failed":
+            status = f"failed: {r.get('error', '')[:120]}"
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    name,
+                    status,
+                    f"{1000 * median:.1f} ms" if median else "n/a",
+                    f"{1000 * r['mean_s']:.1f} ms" if r.get("mean_s") else "n/a",
+                    f"{100 * idle:.0f}%" if idle is not None else "n/a",
+                    f"{100 * share:.0f}%" if share is not None else "n/a",
+                    marker + _mb(moved) if moved is not None else "n/a",
+                    _mb(measured),
+                    f"{mem:.1f} GB" if mem is not None else "n/a",
+                    f"{r['setup_s']:.0f}s" if r.get("setup_s") else "n/a",
+                    f"{median / ours:.2f}x" if median and ours else "n/a",
+                ]
+            )
+            + " |"
+        )
+    zen = records.get("zenflow", {}).get("counters")
+    if zen:
+        lines.append("")
+        lines.append(
+            "zenflow over the timed steps: "
+            + ", ".join(
+                f"{k} {zen[k]:.3f}" if isinstance(zen[k], float) else f"{k} {zen[k]}"
+                for k in ("cpu_updates", "reselections", "optimizer_wait_s", "cpu_adam_s")
+                if k in zen
+            )
+        )
+    lines += [
+        "",
+        "median step: wall clock per step (synchronized), after warm-up. device idle: 1 - union of "
+        "kernel time / wall time over the profiled steps (torch.profiler). fwd+bwd share: CUDA "
+        "events around forward + backward / step wall time. bytes/step: zenflow stats(), '~' "
+        "analytic (DeepSpeed: bf16 grads down + bf16 weights up); profiler: memcpy HtoD + DtoH. "
+        "row / zenflow: the row's median over zenflow's (above 1: zenflow is faster).",
+    ]
+    text = "\n".join(lines) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.md").write_text(text)
+    return text
+
+
+def main() -> int:
+    args = _args()
+    if args.dtype is None:
+        args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    if args.worker:
+        return _worker(args, args.worker)
+    if args.summarize:
+        print(_summarize(args))
+        return 0
+    if args.device == "auto":
+        import torch
+
+        if not torch.cuda.is_available():
+            print(
+                "bench_gpu_step: no CUDA device here, nothing to measure (benchmarks/gpu_check.sh "
+                "runs it on a GPU machine; --device cpu --quick is a smoke run of the code)"
+            )
+            return 0
+        args.device = "cuda"
+        args.dtype = args.dtype or "bf16"
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        raise SystemExit(f"unknown rows {unknown}; known: {', '.join(PEERS)}")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    print(
+        f"# bench_gpu_step on {args.device} ({args.dtype}): rows {', '.join(peers)}; GPT "
+        f"{args.layers} layers x {args.width}, seq {args.seq}, batch {args.batch}, vocab "
+        f"{args.vocab} (~{_param_count(args) / 1e6:.0f}M parameters); results in {args.out}",
+        flush=True,
+    )
+    status = 0
+    forwarded = [a for a in sys.argv[1:] if a]
+    for peer in peers:
+        cmd = [sys.executable, os.path.abspath(__file__), *forwarded]
+        cmd += ["--device", args.device, "--dtype", args.dtype, "--worker", peer]
+        started = time.perf_counter()
+        try:
+            rc = subprocess.run(cmd, timeout=args.peer_timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+            path = Path(args.out) / f"bench_{peer}.json"
+            record = json.loads(path.read_text()) if path.exists() else dict(peer=peer)
+            if record.get("status") != "done":
+                record["status"] = f"cut at {args.peer_timeout:.0f}s after '{record.get('status')}'"
+                _write_json(path, record)
+        print(f"[{peer}] exit {rc} after {time.perf_counter() - started:.1f}s", flush=True)
+        status = status or (rc != 0)
+        print(_summarize(args), flush=True)
+    return int(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
