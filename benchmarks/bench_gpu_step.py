@@ -330,6 +330,8 @@ def _worker(args, peer: str) -> int:
 
         device = torch.device(args.device)
         if device.type == "cuda":
+            if device.index is None:  # torch.cuda.set_device wants an index
+                device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(device)
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
