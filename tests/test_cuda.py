@@ -207,6 +207,35 @@ def test_runtime_options_on_cuda_equal_reference(cuda_fp32, settings):
         )
 
 
+def test_overlapped_result_is_not_overwritten_while_its_copy_is_in_flight(cuda_fp32):
+    """overlap_step with fp32 weights on a busy device.
+
+    At a window boundary the optimizer applies the previous window's CPU result (a copy from
+    the pinned host master to the device, queued on the current stream) and then submits the
+    next CPU update, which rewrites the same host master. The copy must read the values as
+    they were when it was queued. A spin kernel after each device update keeps the stream busy,
+    so a copy that is still in flight when the CPU update starts would deliver the next
+    window's values one window early, and the run would leave the oracle. (update_interval 2,
+    select_interval 8: each select cycle has background windows with a result pending.)
+    """
+    settings = dict(update_interval=2, select_interval=8, overlap_step=True)
+    hyper = {**SCHEDULE, **settings}
+    model = build("mlp").to(cuda_fp32)
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **hyper)
+    device_step = opt._device_step
+
+    def slow_device_step(*args, **kwargs):
+        device_step(*args, **kwargs)
+        torch.cuda._sleep(20_000_000)  # ~10 ms or more of device time after the update
+
+    opt._device_step = slow_device_step
+    compiled = torch.compile(model, backend="zenflow", options={"inner": "eager"})
+    train(compiled, opt, on(cuda_fp32, batches("mlp", 16)))
+    opt.flush()
+    oracle_model, _ = reference_run(cuda_fp32, steps=16, flush=True, **settings)
+    assert_close(list(model.parameters()), list(oracle_model.parameters()), **GPU_TOL)
+
+
 def test_bf16_model_trains_on_cuda(cuda_fp32):
     """A bf16 model (as the GPU benchmark runs it): fp32 state, bf16 parameters, loss falls."""
     model = build("mlp").to(cuda_fp32, torch.bfloat16)
