@@ -614,12 +614,19 @@ def _scheduler_value_problem(name: str, value: Any) -> str | None:
         if value in _WARMUP_TYPES:
             return None
         return f'must be "log" or "linear", got {_describe(value)}'
-    if _is_number(value) or (value is None and name in _SCHEDULER_NULLABLE):
+    if value is None and name in _SCHEDULER_NULLABLE:
         return None
-    per_group = name.endswith(("_lr", "_mom")) and isinstance(value, list)
-    if per_group and value and all(_is_number(v) for v in value):
-        return None
-    return f"must be a finite number, got {_describe(value)}"
+    per_group = name.endswith(("_lr", "_mom")) and isinstance(value, list) and value
+    values = value if per_group else [value]
+    if not all(_is_number(v) for v in values):
+        return f"must be a finite number, got {_describe(value)}"
+    # The schedule writes these into the optimizer: a learning rate below 0 or a beta1 outside
+    # [0, 1) would fail (or train backwards) at some later step.
+    if name.endswith("_lr") and min(values) < 0:
+        return f"must be >= 0 (a learning rate), got {value!r}"
+    if name.endswith("_mom") and not all(0 <= v < 1 for v in values):
+        return f"must be in [0, 1) (it becomes Adam's beta1), got {value!r}"
+    return None
 
 
 class SchedulerConfig(_Section):

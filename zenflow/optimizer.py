@@ -178,7 +178,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         )
 
     def _check_one_device(self) -> None:
-        # One compiled device step per param group takes every state tensor on one device.
+        # The runtime (streams, host-device copies, the compiled backward) is built and tested
+        # for one device; refuse a model spread over several rather than train it wrongly.
         devices = {}
         for group_index, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
