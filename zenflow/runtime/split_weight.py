@@ -288,8 +288,10 @@ class SplitWeight:
         returns the bytes received by the device."""
         mine = self.host_master[self.k_local :].to(self.param.dtype)
         rows = self.comm.all_gather_rows(mine, self.unselected_counts)
+        # Synchronous: with fp32 weights ``rows`` may be the host master itself, which the next
+        # (overlapped) CPU update starts rewriting as soon as this returns.
         as_matrix(self.param.data).index_copy_(
-            1, self.order[self.k :], rows.to(self.param.device, non_blocking=self.pin_memory).t()
+            1, self.order[self.k :], rows.to(self.param.device).t()
         )
         return rows.numel() * rows.element_size()
 
