@@ -153,7 +153,7 @@ def test_engine_nonfinite_policy_for_bf16_and_fp32(precision, zero, policy):
     params = snapshot(list(engine.module.parameters()))
 
     if policy is None:  # the default for bf16 and fp32
-        with pytest.raises(NonFiniteGradientError, match="step 4 is (nan|inf)"):
+        with pytest.raises(zenflow.NonFiniteGradientError, match="step 4 is (nan|inf)"):
             engine_step(engine, 3, dtype, poison=True)
         assert engine.stats()["global_steps"] == 3
     else:

@@ -15,6 +15,10 @@ _PUBLIC = {
     "ReferenceZenFlowAdamW": "zenflow.reference",
     "CPUAdamW": "zenflow.cpu_adamw",
     "ZenFlowAdamW": "zenflow.optimizer",
+    # Failures a long run may want to catch (see README's reliability section).
+    "NonFiniteGradientError": "zenflow.optimizer",
+    "CPUAdamError": "zenflow.runtime.cpu_adam",
+    "CollectiveError": "zenflow.runtime.comm",
     "initialize": "zenflow.runtime.engine",
 }
 

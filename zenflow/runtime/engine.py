@@ -244,7 +244,12 @@ class Engine:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def step(self) -> None:
-        """End a micro-step; at the end of an accumulation window take an optimizer step."""
+        """End a micro-step; at the end of an accumulation window take an optimizer step.
+
+        A NaN or infinite gradient skips the step (fp16, or nonfinite_gradients "skip") or
+        raises ``zenflow.NonFiniteGradientError`` after dropping the window's gradients (catch
+        it to go on with the next batch). After a ``CPUAdamError`` or ``CollectiveError`` the
+        engine refuses to step or save until ``load_checkpoint``."""
         if isinstance(self.optimizer, ZenFlowAdamW):
             self.optimizer.check_usable()
         if not self._backward_in_window:
