@@ -371,10 +371,18 @@ def _worker(args, peer: str) -> int:
         runner = kind(peer, model, args)
         record["settings"] = runner.settings
         warmup = args.warmup if args.warmup is not None else CYCLE if "zenflow" in peer else 3
+        record.update(status="compiling and warming up", built_s=time.perf_counter() - started)
+        _write_json(path, record)
+        print(f"[{peer}] {params / 1e6:.1f}M parameters, set up in {record['built_s']:.1f}s")
+        warmup_times = record["warmup_times_s"] = []
         for i in range(warmup):
+            t0 = time.perf_counter()
             runner.forward_backward(*batches[i % len(batches)])
             runner.optimizer_step()
             _sync(device)
+            warmup_times.append(time.perf_counter() - t0)
+            print(f"[{peer}] warm-up step {i + 1}/{warmup}: {warmup_times[-1]:.2f}s", flush=True)
+            _write_json(path, record)
         record.update(status="warmed up", setup_s=time.perf_counter() - started, warmup=warmup)
         _write_json(path, record)
         print(f"[{peer}] set up, compiled and warmed up in {record['setup_s']:.1f}s", flush=True)
