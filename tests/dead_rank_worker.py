@@ -1,8 +1,10 @@
-"""Two engine ranks train over gloo, launched as torchrun would; rank 1 dies (or hangs) at step 4:
+"""Two engine ranks train over gloo, launched as torchrun would, and save a checkpoint to
+out_dir/ckpt after step 2; rank 1 dies (or hangs) at step 4:
 
-    run(rank, port, timeout_s, mode, zero, out_dir)   # mode "die" or "hang"
+    run(rank, port, timeout_s, mode, zero, out_dir)   # mode "die", "hang" or "die-in-save"
 
-Rank 0 writes what its failing step raised, and how long that step took, to out_dir/rank0.json.
+With "die-in-save" rank 0 saves a checkpoint at step 4 instead of training. Rank 0 writes what
+its failing call raised, and how long that call took, to out_dir/rank0.json.
 """
 
 import json
@@ -41,11 +43,15 @@ def run(rank: int, port: int, timeout_s: float, mode: str, zero: dict, out_dir: 
             if mode == "die":
                 os._exit(1)
             time.sleep(3600)  # alive, but never joins another collective
-        x, y = torch.randn(4, 6, generator=generator), torch.randn(4, 3, generator=generator)
-        engine.backward(F.mse_loss(engine(x), y))
         started = time.monotonic()
         try:
+            if step == FAILING_STEP and mode == "die-in-save":
+                engine.save_checkpoint(os.path.join(out_dir, "ckpt"))
+            x, y = torch.randn(4, 6, generator=generator), torch.randn(4, 3, generator=generator)
+            engine.backward(F.mse_loss(engine(x), y))
             engine.step()
+            if step == 1:
+                engine.save_checkpoint(os.path.join(out_dir, "ckpt"))
         except Exception as error:
             failure = getattr(engine.optimizer, "failure", None)
             result = {

@@ -157,11 +157,18 @@ ZENFLOW = {
         "overlap_step": True,
     },
 }
-DEAD_RANK_CASES = [("die", ZENFLOW), ("hang", ZENFLOW), ("hang", {"stage": 0})]
+DEAD_RANK_CASES = [
+    ("die", ZENFLOW),
+    ("hang", ZENFLOW),
+    ("hang", {"stage": 0}),
+    ("die-in-save", ZENFLOW),
+]
 
 
 @pytest.mark.parametrize(
-    "mode, zero", DEAD_RANK_CASES, ids=["die-zenflow", "hang-zenflow", "hang-adamw"]
+    "mode, zero",
+    DEAD_RANK_CASES,
+    ids=["die-zenflow", "hang-zenflow", "hang-adamw", "die-in-save"],
 )
 def test_a_dead_or_stuck_rank_makes_the_other_fail_within_the_timeout(tmp_path, mode, zero):
     timeout_s = 3.0
@@ -188,8 +195,13 @@ def test_a_dead_or_stuck_rank_makes_the_other_fail_within_the_timeout(tmp_path, 
     assert result["type"] == "CollectiveError"
     assert "A peer rank has probably died" in result["message"]
     assert "process_group_timeout_s" in result["message"]
-    # ZenFlowAdamW's host state is then undefined: it refuses to go on until reloaded.
-    assert result["failed_state"] == ("zenflow" in zero)
+    # After a failed step ZenFlowAdamW's host state is undefined: it refuses to go on until
+    # reloaded. A failed save changes no state.
+    assert result["failed_state"] == ("zenflow" in zero and mode != "die-in-save")
+    # The checkpoint of step 2 stays the one latest names; step 4's was never committed.
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
+    assert (tmp_path / "ckpt" / "global_step2" / "COMMITTED").exists()
+    assert not (tmp_path / "ckpt" / "global_step4" / "COMMITTED").exists()
     if mode == "hang":  # gloo gives up at the timeout
         assert timeout_s - 0.5 <= result["seconds"] <= timeout_s + 10
     else:  # a closed connection is noticed at once

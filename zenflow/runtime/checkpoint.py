@@ -32,6 +32,8 @@ import pickle
 import torch
 import torch.distributed as dist
 
+from zenflow.runtime.comm import run_collective
+
 MARKER = "COMMITTED"
 LATEST = "latest"
 _NEXT = ".next"
@@ -47,7 +49,7 @@ def _distributed() -> bool:
 
 def _barrier() -> None:
     if _distributed():
-        dist.barrier()
+        run_collective("barrier (checkpoint)", dist.get_world_size(), dist.barrier)
 
 
 def _sha256(path: str) -> str:
@@ -63,7 +65,7 @@ def _gather_digests(digest: str, world_size: int) -> list[str]:
     if not _distributed():
         return [digest]
     digests = [None] * world_size
-    dist.all_gather_object(digests, digest)
+    run_collective("all_gather (checkpoint)", world_size, dist.all_gather_object, digests, digest)
     return digests
 
 

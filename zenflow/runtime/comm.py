@@ -20,7 +20,8 @@ class CollectiveError(RuntimeError):
     """A collective failed: a peer rank died or did not respond within the timeout."""
 
 
-def _run(name: str, world_size: int, collective, *args, **kwargs) -> None:
+def run_collective(name: str, world_size: int, collective, *args, **kwargs) -> None:
+    """``collective(*args, **kwargs)``, raising CollectiveError if it fails."""
     started = time.monotonic()
     try:
         collective(*args, **kwargs)
@@ -50,13 +51,13 @@ class DataParallel:
 
     def all_reduce_mean_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            _run("all_reduce", self.world_size, dist.all_reduce, tensor, group=self.group)
+            run_collective("all_reduce", self.world_size, dist.all_reduce, tensor, group=self.group)
             tensor /= self.world_size
         return tensor
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            _run("all_reduce", self.world_size, dist.all_reduce, tensor, group=self.group)
+            run_collective("all_reduce", self.world_size, dist.all_reduce, tensor, group=self.group)
         return tensor
 
     def _padded(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -83,7 +84,7 @@ class DataParallel:
             return self.all_reduce_mean_(rows.clone())[mine]
         width = max(counts)
         out = rows.new_empty(width, *rows.shape[1:])
-        _run(
+        run_collective(
             "reduce_scatter",
             self.world_size,
             dist.reduce_scatter_tensor,
@@ -101,7 +102,7 @@ class DataParallel:
         local = mine.new_zeros(width, *mine.shape[1:])
         local[: counts[self.rank]] = mine
         gathered = mine.new_empty(self.world_size * width, *mine.shape[1:])
-        _run(
+        run_collective(
             "all_gather",
             self.world_size,
             dist.all_gather_into_tensor,
