@@ -31,7 +31,7 @@ test: lint
 
 # Only the long-running tests (soak, crash loops); `make test` runs them too.
 soak: $(STAMP)
-	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "slow and not cuda" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	@for script in benchmarks/bench_*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
