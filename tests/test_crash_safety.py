@@ -68,11 +68,11 @@ def base_module(base) -> dict:
     return torch.load(base / "state.pt", weights_only=False)["module"]
 
 
-# (function, call) of a save: os.fsync 1 and os.replace 1 write rank0.pt.next, fsync 2 and
-# replace 2 the marker (the commit point), replace 3 renames rank0.pt.next to rank0.pt, fsync 3
-# and replace 4 write ``latest``. Dying just before each of these leaves, in turn: a partial
-# temporary file; rank0.pt.next but no new marker; a new marker with rank0.pt.next not yet
-# renamed; the new tag complete but ``latest`` not updated.
+# (function, call) of a save: os.fsync 1 and os.replace 1 write rank0.pt.next (os.fsync 2 syncs
+# its directory), replace 2 renames the marker into place (the commit point), replace 3 renames
+# rank0.pt.next to rank0.pt, replace 4 writes ``latest``. Dying just before each of these
+# leaves, in turn: a partial temporary file; rank0.pt.next but no new marker; a new marker with
+# rank0.pt.next not yet renamed; the new tag complete but ``latest`` not updated.
 KILL_POINTS = [("fsync", 1), ("fsync", 2), ("replace", 3), ("replace", 4)]
 
 

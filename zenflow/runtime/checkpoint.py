@@ -75,7 +75,17 @@ def write_atomically(path: str, write) -> None:
         write(file)
         file.flush()
         os.fsync(file.fileno())
-    os.replace(temporary, path)
+    _replace(temporary, path)
+
+
+def _replace(source: str, destination: str) -> None:
+    os.replace(source, destination)
+    # A rename reaches the disk with its directory: without this, a power loss could undo it.
+    directory = os.open(os.path.dirname(destination) or ".", os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def save(
@@ -98,14 +108,14 @@ def save(
     if os.path.exists(path + _NEXT):  # left by a save that crashed: finish its phase 3
         committed = _matching_file(path, _recorded_digest(directory, rank))
         if committed is not None and committed != path:
-            os.replace(committed, path)
+            _replace(committed, path)
     write_atomically(path + _NEXT, lambda file: torch.save(state, file))
     digests = _gather_digests(_sha256(path + _NEXT), world_size)
     if rank == 0:
         marker_text = json.dumps({"world_size": world_size, "sha256": digests}).encode()
         write_atomically(os.path.join(directory, MARKER), lambda file: file.write(marker_text))
     _barrier()
-    os.replace(path + _NEXT, path)
+    _replace(path + _NEXT, path)
     _barrier()
     if rank == 0:
         if save_latest:
