@@ -249,6 +249,34 @@ def test_worker_failure_in_flush_is_remembered():
         opt.state_dict()
 
 
+def test_failure_with_two_param_groups_reloads_exactly():
+    def optimizer(model):
+        groups = [{"params": model[0].parameters()}, {"params": model[2].parameters()}]
+        return ZenFlowAdamW(groups, step_backend="eager", overlap_step=True, **SETTINGS)
+
+    data = batches("mlp", 12)
+    model = build("mlp")
+    opt = optimizer(model)
+    train_steps(model, opt, data[:3])
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved = opt.state_dict()
+    cpu_adam._inject_failure_for_tests(1)  # group 0's job of the window closing at step 4
+    with pytest.raises(cpu_adam.CPUAdamError, match="injected failure"):
+        train_steps(model, opt, data[3:8])
+    opt.load_state_dict(saved)  # group 1's job may still be running: waited for, not applied
+    model.load_state_dict(saved_model)
+    assert opt.failure is None
+    fresh = build("mlp", seed=1)
+    fresh.load_state_dict(saved_model)
+    fresh_opt = optimizer(fresh)
+    fresh_opt.load_state_dict(saved)
+    train_steps(model, opt, data[3:])
+    train_steps(fresh, fresh_opt, data[3:])
+    opt.flush()
+    fresh_opt.flush()
+    assert_bitwise_equal(snapshot(list(fresh.parameters())), snapshot(list(model.parameters())))
+
+
 # Corrupted checkpoint files.
 
 

@@ -11,6 +11,7 @@ Gradients of weights arrive through the ops the backend compiles into the backwa
 staged and committed only after the overflow check and the clip coefficient are known.
 """
 
+import contextlib
 import math
 import time
 from collections.abc import Iterable
@@ -631,7 +632,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self.failure is None:
             self._finish_pending()
         else:
-            # Their results are undefined; the loaded state replaces everything they touched.
+            # Their results are undefined and the loaded state replaces everything they touched;
+            # jobs still running (other param groups') must not write into it.
+            for pending in self._pending:
+                if pending.handle is not None:
+                    with contextlib.suppress(cpu_adam.CPUAdamError):
+                        pending.handle.wait()
             self._pending = []
             self.failure = None
         for group, saved_group in zip(self.param_groups, state["param_groups"], strict=True):
