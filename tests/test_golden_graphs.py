@@ -87,3 +87,11 @@ def test_every_owned_weight_is_staged_once_and_its_gradient_dropped(name):
     assert weight_grads == []
     vectors = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     assert sum(isinstance(v, torch.fx.Node) for v in returned) == len(vectors)
+
+
+def test_gpt_compiles_as_one_graph_without_breaks():
+    model = build("gpt")
+    ZenFlowAdamW(model.parameters(), step_backend="eager")
+    inputs, _ = batches("gpt", 1)[0]
+    explanation = torch._dynamo.explain(model)(inputs)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
