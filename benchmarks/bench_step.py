@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 CYCLE = 8  # select_interval: warm-up and every timed block are whole select cycles
@@ -87,6 +88,9 @@ def _args(argv=None):
         'zenflow options={"inner": "eager"}, torch rows aot_eager (--quick)',
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process")
+    parser.add_argument(
+        "--setup-timeout", type=float, default=None, help="seconds for all workers to be ready"
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     quick = dict(
@@ -99,6 +103,7 @@ def _args(argv=None):
         inner="eager",
         regime="optimizer-bound",
         peers="zenflow,ds zero-offload,torch adamw fused",
+        setup_timeout=100.0,
     )
     full = dict(
         steps=3 * CYCLE,
@@ -110,6 +115,7 @@ def _args(argv=None):
         inner="inductor",
         regime="both",
         peers=",".join(PEERS[:-1]),
+        setup_timeout=900.0,
     )
     for name, value in (quick if args.quick else full).items():
         if getattr(args, name) is None:
@@ -312,10 +318,17 @@ class _Peer:
         self.error = f"exited {self.proc.wait()}: {tail}"
         return None
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, timeout: float) -> None:
+        # A worker that never answers (say, a DeepSpeed JIT build waiting on a stale lock in
+        # ~/.cache/torch_extensions) is killed, and its row says so, instead of hanging the run.
+        timer = threading.Timer(timeout, self.proc.kill)
+        timer.start()
         message = self.receive()
+        timer.cancel()
         if message is not None:
             self.params = message["params"]
+        elif self.proc.returncode in (-9, 137):
+            self.error = f"no answer within {timeout:.0f}s of setup (killed)"
 
     def run(self, steps: int) -> None:
         if self.error:
@@ -388,8 +401,9 @@ def _regime(args, name: str, rows: int, peers: list[str], log_dir: str, port: in
             skipped[peer] = reason
             continue
         running.append(_Peer(args, peer, rows, port + i, log_dir))
+    deadline = time.perf_counter() + args.setup_timeout
     for p in running:  # they start, compile and warm up concurrently: nothing is timed yet
-        p.wait_ready()
+        p.wait_ready(max(1.0, deadline - time.perf_counter()))
     setup = time.perf_counter() - started
     blocks = args.steps // CYCLE
     for b in range(blocks):
