@@ -201,3 +201,19 @@ def test_a_cpu_update_counts_once_across_param_groups():
     opt = ZenFlowAdamW(groups, step_backend="eager", **SETTINGS)
     train(model, opt, batches("mlp", 4))
     assert opt.stats()["cpu_updates"] == 2
+
+
+def test_offload_counts_the_selected_rows_traffic():
+    data = batches("mlp", 8)
+    plain, offloaded = build("mlp"), build("mlp")
+    plain_opt = ZenFlowAdamW(plain.parameters(), step_backend="eager", **SETTINGS)
+    offload_opt = ZenFlowAdamW(
+        offloaded.parameters(), step_backend="eager", offload=True, **SETTINGS
+    )
+    train(plain, plain_opt, data)
+    train(offloaded, offload_opt, data)
+    # Steps 2-8 send the selected rows' fp32 gradient to the host (step 1 staged every row as
+    # unselected: nothing was selected yet); steps 1-8 send their new fp32 values back.
+    selected_bytes = (1 * 16 + 4 * 3) * 4
+    assert offload_opt.stats()["d2h_bytes"] - plain_opt.stats()["d2h_bytes"] == 7 * selected_bytes
+    assert offload_opt.stats()["h2d_bytes"] - plain_opt.stats()["h2d_bytes"] == 8 * selected_bytes

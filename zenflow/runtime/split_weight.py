@@ -41,6 +41,7 @@ class SplitWeight:
                 "sum would need its own reduction; turn it off or run on one rank"
             )
         self.param = param
+        self.offload = offload
         self.state_device = torch.device("cpu") if offload else param.device
         self.accumulate_on_device = accumulate_on_device
         self.group_index = group_index
@@ -157,8 +158,9 @@ class SplitWeight:
         self._stage_selected_where_updated()
 
     def _stage_selected_where_updated(self) -> None:
-        """With ``offload`` the selected rows are updated on the host: their gradient goes there."""
-        if self.device_stage.device != self.state_device:
+        """With ``offload`` the selected rows are updated on the host: their gradient goes there
+        (counted as device-to-host traffic even where the device is the CPU, like every count)."""
+        if self.offload:
             self.device_stage = self.device_stage.to(self.state_device)
             self.staged_bytes += self.device_stage.numel() * self.device_stage.element_size()
 
@@ -280,8 +282,7 @@ class SplitWeight:
         crossed to the device (only with ``offload``)."""
         values = self.device_master.t().to(self.param.device, self.param.dtype)
         as_matrix(self.param.data).index_copy_(1, self.order[: self.k], values)
-        crossed = self.state_device != self.param.device
-        return crossed * values.numel() * values.element_size()
+        return self.offload * values.numel() * values.element_size()
 
     def write_unselected(self) -> int:
         """Send this rank's unselected host rows, gathered from every rank, into the parameter;
