@@ -103,7 +103,7 @@ def _args(argv=None):
         inner="eager",
         regime="optimizer-bound",
         peers="zenflow,ds zero-offload,torch adamw fused",
-        setup_timeout=100.0,
+        setup_timeout=600.0,
     )
     full = dict(
         steps=3 * CYCLE,
@@ -321,6 +321,7 @@ class _Peer:
     def wait_ready(self, timeout: float) -> None:
         # A worker that never answers (say, a DeepSpeed JIT build waiting on a stale lock in
         # ~/.cache/torch_extensions) is killed, and its row says so, instead of hanging the run.
+        # The limit is generous: killing a worker in the middle of a JIT build leaves such a lock.
         timer = threading.Timer(timeout, self.proc.kill)
         timer.start()
         message = self.receive()

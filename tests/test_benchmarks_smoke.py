@@ -17,7 +17,7 @@ def _run(script: str, *args: str) -> str:
         [sys.executable, str(ROOT / "benchmarks" / script), "--quick", *args],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=900,
         cwd=ROOT,
         env=env,
     )
