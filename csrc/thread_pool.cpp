@@ -9,7 +9,7 @@ namespace zf {
 Job::Job(size_t num_tasks, std::function<void(size_t)> task)
     : num_tasks_(num_tasks), task_(std::move(task)) {}
 
-void Job::run_task(size_t i) {
+bool Job::run_task(size_t i) {
   bool skip;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -31,7 +31,9 @@ void Job::run_task(size_t i) {
     failed_ = true;
     error_ = std::move(error);
   }
-  if (++finished_ == num_tasks_) cv_.notify_all();
+  if (++finished_ != num_tasks_) return false;
+  cv_.notify_all();
+  return true;
 }
 
 bool Job::wait(long timeout_ms) {
@@ -76,18 +78,23 @@ void ThreadPool::submit(std::shared_ptr<Job> job) {
 }
 
 void ThreadPool::worker() {
+  std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    std::shared_ptr<Job> job;
-    size_t task = 0;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and nothing left to run
-      job = queue_.front();
-      task = job->next_++;
-      if (job->next_ == job->num_tasks_) queue_.pop_front();  // every task handed out
+    // A job starts once the one before it has finished, not merely been handed out: jobs
+    // that update the same tensors then apply in submission order.
+    cv_.wait(lock, [this] {
+      return queue_.empty() ? stop_ : queue_.front()->next_ < queue_.front()->num_tasks_;
+    });
+    if (queue_.empty()) return;  // stopping, and nothing left to run
+    std::shared_ptr<Job> job = queue_.front();
+    const size_t task = job->next_++;
+    lock.unlock();
+    const bool finished = job->run_task(task);
+    lock.lock();
+    if (finished) {
+      queue_.pop_front();
+      cv_.notify_all();
     }
-    job->run_task(task);
   }
 }
 

@@ -1,6 +1,6 @@
-// A persistent pool of std::threads running jobs in submission order. A job is a number of
-// independent tasks; any worker may run any task, so a job's result must not depend on which
-// thread runs which task (the AdamW tasks are disjoint element ranges).
+// A persistent pool of std::threads running jobs one after another, in submission order. A job
+// is a number of independent tasks; any worker may run any task, so a job's result must not
+// depend on which thread runs which task (the AdamW tasks are disjoint element ranges).
 #pragma once
 
 #include <condition_variable>
@@ -21,8 +21,9 @@ class Job {
 
   size_t num_tasks() const { return num_tasks_; }
   // Runs one task; an exception is recorded (the first message wins) and the remaining tasks
-  // are skipped, so a failed job finishes quickly and reports at wait().
-  void run_task(size_t i);
+  // are skipped, so a failed job finishes quickly and reports at wait(). True if this was the
+  // job's last unfinished task.
+  bool run_task(size_t i);
   // Waits up to timeout_ms (forever if negative); true once every task has finished.
   bool wait(long timeout_ms);
   bool done();

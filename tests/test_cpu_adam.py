@@ -299,14 +299,14 @@ def test_fused_boundary_equals_accumulate_then_step(with_last_grad):
 
 
 def test_async_equals_sync_and_runs_in_order():
-    cpu_adam.set_num_threads(1)
+    cpu_adam.set_num_threads(3)
     sync = [_job(40 + i, [2**21], torch.float32, None, False) for i in range(4)]
     asyn = copy.deepcopy(sync)
     for args in sync:
         _run_job(args, False)
     # The same tensors updated twice: the second job must see the first one's result.
     handles = [cpu_adam.submit_adamw_step(**args) for args in asyn + asyn]
-    assert not handles[-1].done()  # eight passes over 2M elements on one thread take a while
+    assert not handles[-1].done()  # eight passes over 2M elements, one after another
     for h in handles:
         h.wait()
         assert h.done()
@@ -315,6 +315,24 @@ def test_async_equals_sync_and_runs_in_order():
     for a, b in zip(sync, asyn, strict=True):
         for x, y in zip(_run_job(a, False), _run_job(b, False), strict=True):
             assert torch.equal(x, y)
+
+
+def test_queued_jobs_on_the_same_tensors_apply_one_after_another():
+    # Job B visits the tensors in the reverse order of job A, so its first task is A's last:
+    # started as soon as A's tasks were all handed out, it would race with A.
+    cpu_adam.set_num_threads(3)
+    sync = _job(47, [2**16] * 8, torch.float32, torch.bfloat16, False)
+    asyn = copy.deepcopy(sync)
+    reverse = {k: v[::-1] if isinstance(v, list) else v for k, v in asyn.items()}
+    for _ in range(10):
+        _run_job(sync, False)
+        _run_job({k: v[::-1] if isinstance(v, list) else v for k, v in sync.items()}, False)
+        first = cpu_adam.submit_adamw_step(**asyn)
+        second = cpu_adam.submit_adamw_step(**reverse)
+        first.wait()
+        second.wait()
+    for x, y in zip(_run_job(sync, False), _run_job(asyn, False), strict=True):
+        assert torch.equal(x, y)
 
 
 def test_gil_is_released_while_cpp_runs():
