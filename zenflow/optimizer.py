@@ -332,7 +332,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
         warm_up = self.committed_steps < self.full_warm_up_rounds
         s = self.committed_steps - self.full_warm_up_rounds
-        if not warm_up and s % self.select_interval == 0:
+        # With topk_ratio 0 nothing is ever selected: the identity order stays.
+        if not warm_up and s % self.select_interval == 0 and self.topk_ratio > 0:
             self._reselect(weights)
         select_boundary = (s + 1) % self.select_interval == 0
         self._device_commit(weights, vectors, coefficient)

@@ -7,8 +7,9 @@ them; the order is data fetched at run time, so a reselection needs no recompile
 gradient output becomes None: no full-size ``.grad`` is ever stored::
 
     # before                                # after
-    mm_2 = aten.mm(t_6, primals_3)          mm_2 = aten.mm(t_6, primals_3)
-                                            g_t = aten.permute(mm_2, [1, 0])
+    mm_2 = aten.mm(t_6, primals_3)          x_t = aten.permute(primals_3, [1, 0])
+                                            dy = aten.permute(t_6, [1, 0])
+                                            g_t = aten.mm(x_t, dy)   # G.T, row-major
                                             order = zenflow.column_order(g_t, slot)
                                             rows = aten.index(g_t, [order])
                                             zenflow.stage_columns(rows, slot)
@@ -30,10 +31,30 @@ def _is_transpose(node: torch.fx.Node) -> bool:
     )
 
 
+def _single_use_matmul(node: torch.fx.Node) -> bool:
+    return node.target is aten.mm.default and len(node.users) == 1
+
+
+def _transposed_matmul(graph: torch.fx.Graph, product: torch.fx.Node) -> torch.fx.Node:
+    """``(A @ B).T`` as ``B.T @ A.T``: the same values, laid out row by row."""
+    a, b = product.args
+    b_t = call(graph, aten.permute.default, b, [1, 0])
+    a_t = call(graph, aten.permute.default, a, [1, 0])
+    return call(graph, aten.mm.default, b_t, a_t)
+
+
 def _transposed(graph: torch.fx.Graph, matrix: torch.fx.Node) -> torch.fx.Node:
-    """``matrix.T``, reusing the graph's own transpose when the gradient is one."""
+    """``matrix.T`` with contiguous rows where that costs nothing: when the gradient is a
+    matmul nothing else reads, the transposed product is computed instead of the product, so
+    gathering columns reads rows, not a strided view. Otherwise the graph's own transpose is
+    reused, or a view is taken."""
     if _is_transpose(matrix):
-        return matrix.args[0]
+        transposed = matrix.args[0]
+        if _is_transpose(transposed) and _single_use_matmul(transposed.args[0]):
+            return _transposed_matmul(graph, transposed.args[0])
+        return transposed
+    if _single_use_matmul(matrix):
+        return _transposed_matmul(graph, matrix)
     return call(graph, aten.permute.default, matrix, [1, 0])
 
 
