@@ -5,6 +5,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.zenflow-installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
+# DeepSpeed's JIT-built ops (the benchmarks' peers) per virtual environment: venvs sharing one
+# build folder rebuild each other's ops, and a build killed midway leaves a lock that hangs
+# every later one.
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: demo test soak lint bench install clean
 
