@@ -9,6 +9,11 @@ def mlp(bias: bool = True) -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16, bias=bias), nn.Tanh(), nn.Linear(16, 3, bias=bias))
 
 
+def wide() -> nn.Module:
+    """Layers much wider than the batch (2 rows): their gradients reach the runtime as factors."""
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))
+
+
 class FrozenFirstLayer(nn.Module):
     def __init__(self):
         super().__init__()
@@ -82,6 +87,9 @@ def batches(name: str, steps: int, seed: int = 1):
         if name == "gpt":
             idx = torch.randint(0, 32, (4, 8), generator=g)
             out.append((idx, torch.randint(0, 32, (4, 8), generator=g)))
+        elif name == "wide":
+            scale = torch.linspace(0.2, 3.0, 16)
+            out.append((torch.randn(2, 16, generator=g) * scale, torch.randn(2, 16, generator=g)))
         elif name == "conv":
             out.append((torch.randn(4, 2, 5, 5, generator=g), torch.randn(4, 3, generator=g)))
         else:
@@ -100,6 +108,7 @@ def loss_of(name: str, model: nn.Module, inputs, targets) -> torch.Tensor:
 MODELS = {
     "mlp": mlp,
     "mlp_nobias": lambda: mlp(bias=False),
+    "wide": wide,
     "frozen": FrozenFirstLayer,
     "conv": ConvNet,
     "gpt": TinyGPT,

@@ -16,8 +16,8 @@ from tests.models import batches, build, loss_of
 from zenflow.optimizer import ZenFlowAdamW
 
 GOLDEN = Path(__file__).parent / "golden"
-CASES = ["mlp", "mlp_nobias", "gpt", "frozen", "conv"]
-ZENFLOW_OP = re.compile(r"(torch\.ops\.zenflow\.\w+\.default\([^,]+, )(\d+)\)")
+CASES = ["mlp", "mlp_nobias", "wide", "gpt", "frozen", "conv"]
+ZENFLOW_OP = re.compile(r"(torch\.ops\.zenflow\.\w+\.default\((?:[^,()]+, )+)(\d+)\)")
 
 
 def rewritten_backward(name: str) -> tuple[torch.nn.Module, ZenFlowAdamW, torch.fx.GraphModule]:
@@ -70,16 +70,27 @@ def test_every_owned_weight_is_staged_once_and_its_gradient_dropped(name):
     nodes = list(gm.graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
     stages = [n for n in nodes if n.target is torch.ops.zenflow.stage_columns.default]
+    factors = [n for n in nodes if n.target is torch.ops.zenflow.stage_factors.default]
     scores = [n for n in nodes if n.target is torch.ops.zenflow.record_importance.default]
     owned = {w.slot for w in opt.weights}
-    assert sorted(n.args[1] for n in stages) == sorted(owned)
-    assert sorted(n.args[1] for n in scores) == sorted(owned)
+    assert sorted(n.args[-1] for n in stages + factors) == sorted(owned)
+    assert sorted(n.args[1] for n in scores) == sorted(n.args[1] for n in stages)
+    assert bool(factors) == (name == "wide")
     for stage in stages:
         rows = stage.args[0]
-        assert rows.target is torch.ops.aten.index.Tensor
-        order = rows.args[1][0]
+        # Either the product's rows gathered, or the product of gathered activation rows.
+        gather = rows.args[0] if rows.target is torch.ops.aten.mm.default else rows
+        assert gather.target is torch.ops.aten.index.Tensor
+        order = gather.args[1][0]
         assert order.target is torch.ops.zenflow.column_order.default
-        assert position[order] < position[rows] < position[stage]
+        assert position[order] < position[gather] <= position[rows] < position[stage]
+    for stage in factors:
+        columns_by_batch, out_grad, _ = stage.args
+        assert columns_by_batch.meta["val"].shape[1] == out_grad.meta["val"].shape[0]
+    if factors:  # the weight gradients are never formed in the graph
+        weight_sizes = {p.numel() for p in model.parameters() if p.dim() >= 2}
+        products = [n.meta["val"].numel() for n in nodes if n.target is torch.ops.aten.mm.default]
+        assert not weight_sizes & set(products)
     returned = gm.graph.output_node().args[0]
     weight_grads = [
         v for v in returned if isinstance(v, torch.fx.Node) and v.meta["val"].dim() >= 2

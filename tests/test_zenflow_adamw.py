@@ -126,10 +126,20 @@ def test_bad_arguments_name_the_argument(kwargs, message):
         ZenFlowAdamW(build("mlp").parameters(), **kwargs)
 
 
-def test_non_contiguous_weight_is_refused():
-    weight = torch.nn.Parameter(torch.randn(4, 6).t())
+def test_strided_weight_is_refused():
+    weight = torch.nn.Parameter(torch.randn(4, 12)[:, ::2])
     with pytest.raises(ValueError, match="contiguous"):
         ZenFlowAdamW([weight])
+
+
+def test_weights_are_laid_out_column_major_with_values_unchanged():
+    model = build("conv")
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    ZenFlowAdamW(model.parameters(), step_backend="eager", **SETTINGS)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name])
+        if p.dim() >= 2:
+            assert p.reshape(p.shape[0], -1).t().is_contiguous(), name
 
 
 def test_state_dict_between_backward_and_step_is_refused():

@@ -22,11 +22,13 @@ def rewrite_backward(gm: torch.fx.GraphModule, slot_of_input: dict[int, int]) ->
     from zenflow.passes.column_split import split_columns
     from zenflow.passes.importance import insert_importance
     from zenflow.passes.locate_grads import locate_param_grads
+    from zenflow.runtime import registry
 
     sites = locate_param_grads(gm.graph, slot_of_input)
     if not sites:
         return
-    split_columns(gm.graph, sites)
+    factor_slots = frozenset(s.slot for s in sites if registry.owner(s.slot).takes_factors)
+    split_columns(gm.graph, sites, factor_slots)
     insert_importance(gm.graph)
     # The dropped gradients' last transposes are now dead; our ops survive as side effects.
     gm.graph.eliminate_dead_code()

@@ -19,7 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from zenflow.columns import column_count, has_columns, select_top_columns, topk_count
+from zenflow.columns import (
+    column_count,
+    has_columns,
+    is_column_major,
+    select_top_columns,
+    topk_count,
+)
 from zenflow.config import resolve_select_interval, zenflow_block
 from zenflow.runtime import cpu_adam
 from zenflow.runtime.auto_interval import AutoUpdateInterval
@@ -59,6 +65,7 @@ class _PendingUpdate:
     handle: cpu_adam.CPUAdamHandle | None  # None: finished before a checkpoint was loaded
     weights: list[SplitWeight]
     accumulators: list[torch.Tensor]
+    stage_blocks: list[torch.Tensor | None]  # buffers it reads its last gradient from
 
 
 class ZenFlowAdamW(torch.optim.Optimizer):
@@ -200,7 +207,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _split(
         p: torch.Tensor, group_index: int, comm: DataParallel, offload: bool, on_device: bool
     ) -> SplitWeight:
-        if not p.is_contiguous():
+        if not (p.is_contiguous() or is_column_major(p)):
             raise ValueError(
                 f"ZenFlowAdamW needs contiguous weights; got one of shape {tuple(p.shape)} "
                 f"with strides {p.stride()}: make it contiguous before creating the optimizer"
@@ -224,10 +231,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             for w in self.weights:
                 if w.has_staged:
                     w.reduce_staged()
-                    in_order = w.staged_scores()
-                    total += in_order.double().sum()
-                    self._scores[w] = torch.empty_like(in_order)
-                    self._scores[w][w.order.cpu()] = in_order
+                    total += w.staged_norm_sq()
             for v in self.vectors:
                 if v.param.grad is not None:
                     self.comm.all_reduce_mean_(v.param.grad)
@@ -365,9 +369,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.comm.all_reduce_sum_(accumulated)
         energies = {}
         for w, piled in zip(weights, accumulated.tolist(), strict=True):
-            selected = float(self._scores[w][w.order[: w.k].cpu()].sum()) * coefficient**2
+            scores = self._column_scores(w)
+            selected = float(scores[w.order[: w.k].cpu()].sum()) * coefficient**2
             energies[self.weights.index(w)] = (selected, piled, w.k, w.columns)
         return self._auto.observe(energies)
+
+    def _column_scores(self, w: SplitWeight) -> torch.Tensor:
+        """This step's importance of each of ``w``'s columns (natural order), computed once and
+        only when a reselection or the "auto" rule asks for it."""
+        if w not in self._scores:
+            self._scores[w] = w.column_scores()
+        return self._scores[w]
 
     def _hyper(self, group_index: int) -> dict:
         group = self.param_groups[group_index]
@@ -383,10 +395,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _reselect(self, weights: list[SplitWeight]) -> None:
         for w in weights:
             k = topk_count(self.topk_ratio, w.columns)
-            to_host, to_device = w.reselect(select_top_columns(self._scores[w], k))
-            # Windows are flushed at select boundaries; this rank's share of unselected
-            # columns may change size with the selection.
-            w.accumulator = w.spare_accumulator = None
+            to_host, to_device = w.reselect(select_top_columns(self._column_scores(w), k))
+            # Windows are flushed at select boundaries, so the sums are zero; this rank's share
+            # of unselected columns may change size with the selection.
+            rows = (w.hi - w.lo - w.k_local, w.out)
+            if w.accumulator is not None and w.accumulator.shape != rows:
+                w.accumulator = w.spare_accumulator = None
             self._counters["d2h_bytes"] += to_host
             self._counters["h2d_bytes"] += to_device
         self._counters["reselections"] += 1
@@ -407,7 +421,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 [w.device_exp_avg for w in rows] + [v.exp_avg for v in vecs],
                 [w.device_exp_avg_sq for w in rows] + [v.exp_avg_sq for v in vecs],
                 [w.device_steps for w in rows] + [v.steps for v in vecs],
-                [w.device_stage for w in rows]
+                [w.selected_rows() for w in rows]
                 + [v.param.grad.float().reshape(1, -1) for v in vecs],
                 torch.tensor(hyper["lr"], dtype=torch.float64, device=device),
                 torch.tensor(coefficient, dtype=torch.float64, device=device),
@@ -429,7 +443,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._timed_wait(
                 cpu_adam.submit_adamw_step(
                     [w.host_master for w in group_weights],
-                    [w.host_stage for w in group_weights],
+                    [w.unselected_rows() for w in group_weights],
                     [w.host_exp_avg for w in group_weights],
                     [w.host_exp_avg_sq for w in group_weights],
                     steps=[w.host_steps for w in group_weights],
@@ -454,12 +468,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         clipping the CPU update folds the addition into its own pass instead."""
         for w in weights:
             if w.accumulator is None:
-                w.accumulator = torch.zeros_like(w.host_stage, dtype=torch.float32)
+                w.accumulator = w.new_accumulator()
             w.in_window = True
-            if fuse_last and coefficient == 1.0 and not w.accumulate_on_device:
-                w.last_grad = w.host_stage
+            if fuse_last and coefficient == 1.0 and w.can_fold_last_grad:
+                w.keep_stage_as_last_grad()
             else:
-                w.accumulator.add_(w.host_stage, alpha=coefficient)
+                w.add_unselected_to(w.accumulator, coefficient)
 
     def _close_window(self, select_boundary: bool, force_sync: bool = False) -> None:
         """The CPU update of unselected columns from the window's mean gradient."""
@@ -498,7 +512,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     n=self.window_steps,
                     **state,
                 )
-            pending = _PendingUpdate(handle, group_weights, [w.accumulator for w in group_weights])
+            pending = _PendingUpdate(
+                handle,
+                group_weights,
+                [w.accumulator for w in group_weights],
+                [w.last_grad_block for w in group_weights],
+            )
             if background:
                 if not self.accumulate_on_device:
                     # The job reads (then zeroes) this window's sum while the next window
@@ -514,7 +533,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._counters["cpu_updates"] += bool(weights)
         for w in weights:
             w.in_window = False
-            w.last_grad = None
+            w.last_grad = w.last_grad_block = None
         self.window_steps = 0
         if self._auto is not None:
             self._auto.reset()
@@ -522,9 +541,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _apply(self, pending: _PendingUpdate) -> None:
         if pending.handle is not None:
             self._timed_wait(pending.handle, cpu=not self.overlap_step)
-        for w, used in zip(pending.weights, pending.accumulators, strict=True):
+        for w, used, block in zip(
+            pending.weights, pending.accumulators, pending.stage_blocks, strict=True
+        ):
             if used is not w.accumulator:
                 w.spare_accumulator = used
+            if block is not None:
+                w.release_block(block)
             self._counters["h2d_bytes"] += w.write_unselected()
 
     def _finish_pending(self) -> None:
@@ -558,7 +581,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     # Checkpoints.
 
-    _FORMAT = "zenflow.ZenFlowAdamW/1"
+    _FORMAT = "zenflow.ZenFlowAdamW/2"
     _SETTINGS = ("topk_ratio", "update_interval", "select_interval", "overlap_step")
 
     def state_dict(self) -> dict:
@@ -580,10 +603,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         weights = [
             {
                 "order": w.order.cpu(),
-                "local_order": w.local_order,
+                "local_orders": w.local_orders,
                 "k": w.k,
-                "k_local": w.k_local,
-                "unselected_counts": w.unselected_counts,
+                "k_locals": w.k_locals,
                 "host": [w.host_master, w.host_exp_avg, w.host_exp_avg_sq, w.host_steps],
                 "device": [w.device_master, w.device_exp_avg, w.device_exp_avg_sq, w.device_steps],
                 "accumulator": w.accumulator,
@@ -652,10 +674,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for w, saved in zip(self.weights, state["weights"], strict=True):
             w.load(
                 saved["order"],
-                saved["local_order"],
+                saved["local_orders"],
                 saved["k"],
-                saved["k_local"],
-                saved["unselected_counts"],
+                saved["k_locals"],
                 saved["host"],
                 saved["device"],
             )
@@ -676,7 +697,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 mine_t.copy_(saved_t)
         for _, group_weights in self._by_group(pending):
             accumulators = [w.accumulator for w in group_weights]
-            self._pending.append(_PendingUpdate(None, group_weights, accumulators))
+            blocks = [None] * len(group_weights)
+            self._pending.append(_PendingUpdate(None, group_weights, accumulators, blocks))
 
     def stats(self) -> dict:
         selected = sum(w.k * w.out for w in self.weights)

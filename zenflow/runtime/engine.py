@@ -440,7 +440,7 @@ class Engine:
         self.flush()
         dtype = self._16_bit_dtype()
         state = {
-            name: value.to(dtype) if value.is_floating_point() else value
+            name: (value.to(dtype) if value.is_floating_point() else value).contiguous()
             for name, value in self.module.state_dict().items()
         }
         if _rank() == 0:
@@ -465,7 +465,10 @@ class Engine:
         for name, param in self.module.named_parameters(remove_duplicate=False):
             if param in masters:
                 state[name] = masters[param]
-        return {name: value.detach().cpu().clone() for name, value in state.items()}
+        return {
+            name: value.detach().cpu().clone(memory_format=torch.contiguous_format)
+            for name, value in state.items()
+        }
 
 
 def _build_optimizer(config: ZenFlowConfig, params) -> torch.optim.Optimizer:
