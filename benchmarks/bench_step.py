@@ -22,13 +22,14 @@ scales (so column importance is concentrated, as ZenFlow assumes). Regimes: "opt
 Every peer runs in its own process (DeepSpeed needs torch.distributed and spawns a process of
 its own). The processes start, compile and warm up (one select cycle), then the parent asks them
 in turn for blocks of steps (one select cycle each), round robin, so that machine noise hits all
-rows alike. Reported: median step time; optimizer share (zenflow: stats()["optimizer_wait_s"] /
-total; every row also shows step() / total, where step() is opt.step() + zero_grad() for torch
-and zenflow, engine.step() for DeepSpeed); bytes moved host<->device per step (zenflow: from
-stats(); DeepSpeed: analytic estimate, marked "~"); mean loss over the last select cycle; ratio
-= zenflow's median step time / the row's. "best block" is the lowest of a row's per-block
-medians (one block = one select cycle): on a shared machine, where another job can land on some
-blocks and not others, its ratio is the steadier one.
+rows alike. Reported: median step time; mean step time (over whole select cycles: the
+throughput, window-closing and reselecting steps included); optimizer share (zenflow:
+stats()["optimizer_wait_s"] / total; every row also shows step() / total, where step() is
+opt.step() + zero_grad() for torch and zenflow, engine.step() for DeepSpeed); bytes moved
+host<->device per step (zenflow: from stats(); DeepSpeed: analytic estimate, marked "~"); mean
+loss over the last select cycle; ratios = zenflow's median (mean) step time / the row's. "best
+block" is the lowest of a row's per-block medians (one block = one select cycle): on a shared
+machine, where another job can land on some blocks and not others, its ratio is the steadier one.
 """
 
 import argparse
@@ -419,9 +420,11 @@ def _regime(args, name: str, rows: int, peers: list[str], log_dir: str, port: in
     ours_ok = ours is not None and not ours.error and ours.times
     ours_median = statistics.median(ours.times) if ours_ok else None
     ours_best = min(ours.block_medians) if ours_ok else None
+    ours_mean = statistics.fmean(ours.times) if ours_ok else None
     header = (
-        f"{'row':<20} {'median step':>11} {'best block':>10} {'opt wait':>8} {'step()':>7} "
-        f"{'bytes/step':>11} {'loss':>8} {'zenflow / row':>13} {'(best blocks)':>13}"
+        f"{'row':<20} {'median step':>11} {'mean step':>9} {'best block':>10} {'opt wait':>8} "
+        f"{'step()':>7} {'bytes/step':>11} {'loss':>8} {'zenflow / row':>13} {'(means)':>8} "
+        f"{'(best blocks)':>13}"
     )
     print(header)
     print("-" * len(header))
@@ -444,10 +447,12 @@ def _regime(args, name: str, rows: int, peers: list[str], log_dir: str, port: in
         best = min(p.block_medians)
         ratio = f"{ours_median / median:.2f}x" if ours_median else "n/a"
         best_ratio = f"{ours_best / best:.2f}x" if ours_best else "n/a"
+        mean = statistics.fmean(p.times)
+        mean_ratio = f"{ours_mean / mean:.2f}x" if ours_mean else "n/a"
         print(
-            f"{peer:<20} {1000 * median:>9.1f}ms {1000 * best:>8.1f}ms {wait:>8} {step_share:>7} "
-            f"{_bytes_per_step(peer, p, len(p.times)):>11} {loss:>8.4f} {ratio:>13} "
-            f"{best_ratio:>13}"
+            f"{peer:<20} {1000 * median:>9.1f}ms {1000 * mean:>7.1f}ms {1000 * best:>8.1f}ms "
+            f"{wait:>8} {step_share:>7} {_bytes_per_step(peer, p, len(p.times)):>11} "
+            f"{loss:>8.4f} {ratio:>13} {mean_ratio:>8} {best_ratio:>13}"
         )
     if ours and not ours.error:
         c = ours.counters
