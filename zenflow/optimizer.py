@@ -13,6 +13,7 @@ staged and committed only after the overflow check and the clip coefficient are 
 
 import contextlib
 import math
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -150,9 +151,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self._device_step = compiled_selective_adamw(step_backend)
         self.comm = DataParallel(zero_stage, process_group)
-        cpu_adam.set_num_threads(
-            cpu_adam.threads_from_reserved_cores(settings.pt_reserved_cores_perc)
-        )
+        self._cpu_threads = cpu_adam.threads_from_reserved_cores(settings.pt_reserved_cores_perc)
+        cpu_adam.set_num_threads(self._cpu_threads)
 
         self._check_one_device()
         self.weights: list[SplitWeight] = []
@@ -435,8 +435,22 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             for v in vecs:
                 v.param.copy_(v.master.view_as(v.param))
 
+    @contextlib.contextmanager
+    def _every_core(self):
+        """For CPU updates the training thread waits for: the cores it keeps for itself
+        (``pt_reserved_cores_perc``) would idle meanwhile, so the pool uses them too."""
+        cpu_adam.set_num_threads(os.cpu_count() or 1)
+        try:
+            yield
+        finally:
+            cpu_adam.set_num_threads(self._cpu_threads)
+
     def _full_host_update(self, weights: list[SplitWeight], coefficient: float) -> None:
         """Warm-up: every column of every weight takes a CPU AdamW step now (k is 0)."""
+        with self._every_core():
+            self._full_host_update_groups(weights, coefficient)
+
+    def _full_host_update_groups(self, weights: list[SplitWeight], coefficient: float) -> None:
         for group_index, group_weights in self._by_group(weights):
             for w in group_weights:
                 w.host_steps += 1
@@ -480,6 +494,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._finish_pending()
         weights = [w for w in self.weights if w.in_window]
         background = self.overlap_step and not (select_boundary or force_sync)
+        with contextlib.nullcontext() if background else self._every_core():
+            self._submit_window(weights, background)
+        self._counters["cpu_updates"] += bool(weights)
+        for w in weights:
+            w.in_window = False
+            w.last_grad = w.last_grad_block = None
+        self.window_steps = 0
+        if self._auto is not None:
+            self._auto.reset()
+
+    def _submit_window(self, weights: list[SplitWeight], background: bool) -> None:
         for group_index, group_weights in self._by_group(weights):
             for w in group_weights:
                 w.host_steps[w.k_local :] += 1
@@ -530,13 +555,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 self._pending.append(pending)
             else:
                 self._apply(pending)
-        self._counters["cpu_updates"] += bool(weights)
-        for w in weights:
-            w.in_window = False
-            w.last_grad = w.last_grad_block = None
-        self.window_steps = 0
-        if self._auto is not None:
-            self._auto.reset()
 
     def _apply(self, pending: _PendingUpdate) -> None:
         if pending.handle is not None:
