@@ -21,10 +21,13 @@ def train(world_size: int, rank: int, settings: dict) -> tuple[torch.nn.Module, 
     forward = (
         torch.compile(model, backend="zenflow", options={"inner": "eager"}) if compiled else model
     )
+    opt.staged_rows_after_backward = []
     for inputs, targets in batches("mlp", 12):
         shard = slice(rank * len(inputs) // world_size, (rank + 1) * len(inputs) // world_size)
         opt.zero_grad()
         loss_of("mlp", forward, inputs[shard], targets[shard]).backward()
+        staged = [w.host_stage.shape[0] for w in opt.weights if w.host_stage is not None]
+        opt.staged_rows_after_backward.append((staged, [w.columns - w.k for w in opt.weights]))
         opt.step()
     opt.flush()
     return model, opt
@@ -37,7 +40,11 @@ def run(rank: int, world_size: int, port: int, out_dir: str, settings: dict) -> 
         model, opt = train(world_size, rank, settings)
         host_elements = sum(w.host_master.numel() for w in opt.weights)
         torch.save(
-            {"params": [p.detach() for p in model.parameters()], "host": host_elements},
+            {
+                "params": [p.detach() for p in model.parameters()],
+                "host": host_elements,
+                "staged_rows_after_backward": opt.staged_rows_after_backward,
+            },
             os.path.join(out_dir, f"rank{rank}.pt"),
         )
     finally:

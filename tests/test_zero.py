@@ -59,3 +59,12 @@ def test_two_ranks_equal_one_rank_and_the_reference(tmp_path, settings):
     single_host = sum(w.host_master.numel() for w in single_opt.weights)
     assert ranks[0]["host"] + ranks[1]["host"] == single_host
     assert all(abs(r["host"] - single_host / 2) <= single_host * 0.1 for r in ranks)
+
+    # A compiled ZeRO-2 backward reduce-scatters as it goes: after it a rank holds only its
+    # chunk of the unselected rows (the two chunks make up all of them). (Uncompiled, gradients
+    # wait in .grad until step() collects them.)
+    if settings.get("compiled") and settings["zero_stage"] == 2:
+        for step in range(12):
+            (mine, unselected), (theirs, _) = (r["staged_rows_after_backward"][step] for r in ranks)
+            assert [a + b for a, b in zip(mine, theirs, strict=True)] == unselected
+            assert all(a < u for a, u in zip(mine, unselected, strict=True))

@@ -125,11 +125,17 @@ class SplitWeight:
 
         Copies: a compiled graph may reuse ``rows``' storage as soon as this returns. With one
         rank the unselected rows start for the host at once, overlapping with the rest of the
-        backward pass; with several they stay on the device until the step reduces them and
-        brings only this rank's chunk over.
+        backward pass. With several, ZeRO-2 reduce-scatters them here and keeps only this
+        rank's chunk; ZeRO-1 keeps them on the device until the step reduces them.
         """
         selected, unselected = rows[: self.k], rows[self.k :]
-        if self.micro_batches == 0:
+        if self._reduces_in_backward:
+            self._stage_reduced_chunk(unselected)
+            if self.micro_batches == 0:
+                self.device_stage = selected.to(torch.float32, copy=True)
+            else:
+                self.device_stage += selected
+        elif self.micro_batches == 0:
             self.device_stage = selected.to(torch.float32, copy=True)
             if self.distributed or self.accumulate_on_device:
                 self.host_stage = unselected.to(torch.float32, copy=True)
@@ -148,6 +154,22 @@ class SplitWeight:
             if not (self.distributed or self.accumulate_on_device):
                 self.staged_bytes += unselected.numel() * rows.element_size()
         self.micro_batches += 1
+
+    @property
+    def _reduces_in_backward(self) -> bool:
+        return self.distributed and self.comm.zero_stage == 2
+
+    def _stage_reduced_chunk(self, unselected: torch.Tensor) -> None:
+        """ZeRO-2: reduce-scatter this micro-batch's unselected rows at once, weight by weight
+        as backward produces them, so that no rank holds a whole gradient past this op; only
+        this rank's chunk (its host rows' columns) goes on, to the host."""
+        mine = self.comm.reduce_scatter_mean(unselected.to(torch.float32), self.unselected_counts)
+        if self.micro_batches == 0:
+            self._stage_block = self._take_block(torch.float32)
+            self.host_stage = self._stage_block[self.k_local :].copy_(mine)
+        else:
+            self.host_stage += mine.to(self.host_stage.device)
+        self.staged_bytes += mine.numel() * mine.element_size()
 
     @property
     def takes_factors(self) -> bool:
@@ -245,10 +267,11 @@ class SplitWeight:
             self._stage_selected_where_updated()
             return
         self.comm.all_reduce_mean_(self.device_stage)
-        mine = self.comm.reduce_scatter_mean(self.host_stage, self.unselected_counts)
-        self._stage_block = self._take_block(torch.float32)
-        self.host_stage = self._stage_block[self.k_local :].copy_(mine)
-        self.staged_bytes += self.host_stage.numel() * self.host_stage.element_size()
+        if not self._reduces_in_backward:
+            mine = self.comm.reduce_scatter_mean(self.host_stage, self.unselected_counts)
+            self._stage_block = self._take_block(torch.float32)
+            self.host_stage = self._stage_block[self.k_local :].copy_(mine)
+            self.staged_bytes += self.host_stage.numel() * self.host_stage.element_size()
         self._stage_selected_where_updated()
 
     def _stage_selected_where_updated(self) -> None:
