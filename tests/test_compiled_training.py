@@ -170,20 +170,47 @@ def test_clip_grad_norm_through_the_optimizer_equals_reference():
     assert_close(list(model.parameters()), list(oracle_model.parameters()), **TOL)
 
 
-def test_non_finite_gradient_skips_the_step_and_commits_nothing():
-    model = build("mlp")
+@pytest.mark.parametrize("name", ["mlp", "wide"])
+def test_non_finite_gradient_skips_the_step_and_commits_nothing(name):
+    model = build(name)
     opt = ZenFlowAdamW(
         model.parameters(), lr=1e-2, step_backend="eager", nonfinite="skip", **SCHEDULE
     )
     compiled = torch.compile(model, backend="zenflow", options={"inner": "eager"})
-    train("mlp", compiled, opt, batches("mlp", 3))
+    train(name, compiled, opt, batches(name, 3))
     before = [p.detach().clone() for p in model.parameters()]
     host = [w.host_master.clone() for w in opt.weights]
-    inputs, targets = batches("mlp", 1)[0]
+    inputs, targets = batches(name, 1)[0]
     inputs[0, 0] = float("inf")
     opt.zero_grad()
-    loss_of("mlp", compiled, inputs, targets).backward()
+    loss_of(name, compiled, inputs, targets).backward()
     opt.step()
     assert opt.stats()["skipped_steps"] == 1 and opt.stats()["steps"] == 3
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
     assert all(torch.equal(w.host_master, h) for w, h in zip(opt.weights, host, strict=True))
+
+
+def test_factor_staged_training_resumes_bitwise_from_a_mid_window_state_dict():
+    settings = dict(lr=1e-2, overlap_step=True, **{**SCHEDULE, "select_interval": 12})
+    data = batches("wide", 20)
+
+    def run(model, opt, part):
+        train(
+            "wide", torch.compile(model, backend="zenflow", options={"inner": "eager"}), opt, part
+        )
+
+    straight = build("wide")
+    straight_opt = ZenFlowAdamW(straight.parameters(), step_backend="eager", **settings)
+    run(straight, straight_opt, data)
+
+    first = build("wide")
+    first_opt = ZenFlowAdamW(first.parameters(), step_backend="eager", **settings)
+    run(first, first_opt, data[:7])
+    assert first_opt._pending and first_opt.window_steps == 1
+    resumed = build("wide", seed=123)
+    resumed.load_state_dict({k: v.clone() for k, v in first.state_dict().items()})
+    resumed_opt = ZenFlowAdamW(resumed.parameters(), step_backend="eager", **settings)
+    resumed_opt.load_state_dict(first_opt.state_dict())
+    run(resumed, resumed_opt, data[7:])
+    for a, b in zip(resumed.parameters(), straight.parameters(), strict=True):
+        assert torch.equal(a, b)
