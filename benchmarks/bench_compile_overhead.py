@@ -6,8 +6,10 @@
 A GPT-style model (token + position embeddings, pre-LN blocks with
 F.scaled_dot_product_attention, LM head tied to the token embedding) is compiled twice, in one
 process: with backend "inductor", and with backend "zenflow" plus a ZenFlowAdamW (step_backend
-"eager") that owns its weights, so the zenflow backward also gathers each weight's gradient
-columns into the runtime's order, computes per-column importance and stages the rows. Forward
+"eager") that owns its weights, so the zenflow backward also produces each weight's gradient
+columns in the runtime's order, computes per-column importance and stages the rows (or, for a
+batch far smaller than the weight, stages the gradient's two factors and leaves the product to
+``step()``: try ``--batch 1 --seq 32``). Forward
 passes are not timed; backward passes of the two alternate (noise hits both alike) and
 ``opt.zero_grad()`` (zenflow) / ``model.zero_grad()`` (inductor) discards the gradients between
 iterations. Table 1: median backward time and the ratio, before the first selection (k = 0:
