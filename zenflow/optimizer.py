@@ -491,9 +491,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def _close_window(self, select_boundary: bool, force_sync: bool = False) -> None:
         """The CPU update of unselected columns from the window's mean gradient."""
-        self._finish_pending()
         weights = [w for w in self.weights if w.in_window]
         background = self.overlap_step and not (select_boundary or force_sync)
+        # A synchronous update writes its weights' columns to the parameters right after the
+        # pending one would have: the pending result is not written for those.
+        self._finish_pending(rewritten=() if background else weights)
         with contextlib.nullcontext() if background else self._every_core():
             self._submit_window(weights, background)
         self._counters["cpu_updates"] += bool(weights)
@@ -556,9 +558,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             else:
                 self._apply(pending)
 
-    def _apply(self, pending: _PendingUpdate) -> None:
+    def _apply(self, pending: _PendingUpdate, rewritten=()) -> None:
+        """Wait for ``pending`` and write its result to the parameters, except for the weights
+        in ``rewritten`` (a synchronous update is about to write them again)."""
         if pending.handle is not None:
             self._timed_wait(pending.handle, cpu=not self.overlap_step)
+        skipped = {id(w) for w in rewritten}
         for w, used, block in zip(
             pending.weights, pending.accumulators, pending.stage_blocks, strict=True
         ):
@@ -566,11 +571,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 w.spare_accumulator = used
             if block is not None:
                 w.release_block(block)
-            self._counters["h2d_bytes"] += w.write_unselected()
+            if id(w) not in skipped:
+                self._counters["h2d_bytes"] += w.write_unselected()
 
-    def _finish_pending(self) -> None:
+    def _finish_pending(self, rewritten=()) -> None:
         for pending in self._pending:
-            self._apply(pending)
+            self._apply(pending, rewritten)
         self._pending = []
 
     def _timed_wait(self, handle: cpu_adam.CPUAdamHandle, cpu: bool) -> None:
