@@ -47,5 +47,29 @@ def test_factors_give_the_norm_scores_and_rows_of_their_product():
 def test_mixing_rows_and_factors_in_one_step_is_refused():
     w = split_pair()[0]
     w.stage(torch.zeros(40, 24))
-    with pytest.raises(RuntimeError, match="as rows and then as factors"):
+    with pytest.raises(RuntimeError, match="as rows and as factors"):
         w.stage_factors(torch.zeros(40, 2), torch.zeros(2, 24))
+    w.discard_staged()
+    w.stage_factors(torch.zeros(40, 2), torch.zeros(2, 24))
+    with pytest.raises(RuntimeError, match="as rows and as factors"):
+        w.stage(torch.zeros(40, 24))
+
+
+def test_deferred_steps_sum_into_the_window_as_their_rows_would():
+    g = torch.Generator().manual_seed(1)
+    deferred, added = split_pair()
+    sums = torch.zeros(36, 24)
+    for alpha in (1.0, 0.5, 2.0):  # clip coefficients differ from step to step
+        x, dy = torch.randn(3, 40, generator=g), torch.randn(3, 24, generator=g)
+        for w in (deferred, added):
+            w.discard_staged()
+            w.stage_factors(x.t(), dy)
+        assert deferred.defer_unselected(alpha)
+        added.add_unselected_to(sums, alpha)
+    window = torch.zeros(36, 24)
+    deferred.sum_deferred_into(window)
+    assert_close(window, sums, rtol=1e-5, atol=1e-5)
+    assert deferred.window_factors == []
+    deferred.discard_staged()
+    deferred.stage(torch.zeros(40, 24))
+    assert not deferred.defer_unselected(1.0)  # rows are added at once, not deferred

@@ -486,7 +486,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             w.in_window = True
             if fuse_last and coefficient == 1.0 and w.can_fold_last_grad:
                 w.keep_stage_as_last_grad()
-            else:
+            elif self._auto is not None or not w.defer_unselected(coefficient):
+                # ("auto" reads the sum's norm every step: it is kept up to date.)
                 w.add_unselected_to(w.accumulator, coefficient)
 
     def _close_window(self, select_boundary: bool, force_sync: bool = False) -> None:
@@ -509,6 +510,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _submit_window(self, weights: list[SplitWeight], background: bool) -> None:
         for group_index, group_weights in self._by_group(weights):
             for w in group_weights:
+                w.sum_deferred_into(w.accumulator)
                 w.host_steps[w.k_local :] += 1
             state = dict(
                 steps=[w.host_steps[w.k_local :] for w in group_weights],
@@ -633,6 +635,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "host": [w.host_master, w.host_exp_avg, w.host_exp_avg_sq, w.host_steps],
                 "device": [w.device_master, w.device_exp_avg, w.device_exp_avg_sq, w.device_steps],
                 "accumulator": w.accumulator,
+                "window_factors": list(w.window_factors),
                 "in_window": w.in_window,
                 "pending": id(w) in pending_weights,
             }
@@ -705,6 +708,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 saved["device"],
             )
             w.accumulator = None if saved["accumulator"] is None else saved["accumulator"].clone()
+            w.window_factors = [(x.clone(), dy.clone()) for x, dy in saved["window_factors"]]
             w.spare_accumulator = None
             w.in_window = saved["in_window"]
             if saved["pending"]:

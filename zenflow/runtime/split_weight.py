@@ -75,6 +75,7 @@ class SplitWeight:
         self.in_window = False
         self.last_grad: torch.Tensor | None = None
         self.last_grad_block: torch.Tensor | None = None
+        self.window_factors: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Host buffers of the whole block's rows ([hi - lo, out]), free to stage into; the staged
         # rows are the block's unselected part of one, so a reselection reorders them in place.
         self._spare_blocks: list[torch.Tensor] = []
@@ -128,6 +129,8 @@ class SplitWeight:
         backward pass. With several, ZeRO-2 reduce-scatters them here and keeps only this
         rank's chunk; ZeRO-1 keeps them on the device until the step reduces them.
         """
+        if self.factor_parts:
+            _refuse_mixed_staging()
         selected, unselected = rows[: self.k], rows[self.k :]
         if self._reduces_in_backward:
             self._stage_reduced_chunk(unselected)
@@ -186,10 +189,7 @@ class SplitWeight:
         """Keep this micro-batch's gradient as its factors, ``G.T == columns_by_batch @
         out_grad``; micro-batches concatenate along the batch. Copies, as ``stage`` does."""
         if self.micro_batches and not self.factor_parts:
-            raise RuntimeError(
-                "zenflow: a weight's gradient arrived as rows and then as factors in one step; "
-                "mixing compiled variants within a step is not supported"
-            )
+            _refuse_mixed_staging()
         batch_by_columns = columns_by_batch.t().to(torch.float32, copy=True)
         out_grad = out_grad.to(torch.float32, copy=True)
         self.factor_parts.append((batch_by_columns, out_grad))
@@ -339,6 +339,25 @@ class SplitWeight:
             accumulator.addmm_(x.index_select(1, self._host_columns()).t(), dy, alpha=alpha)
         else:
             accumulator.add_(self.host_stage, alpha=alpha)
+
+    def defer_unselected(self, alpha: float) -> bool:
+        """Factor-staged: keep this step's factors (``dy`` scaled by ``alpha``) instead of adding
+        its unselected rows to the window's sum now; ``sum_deferred_into`` forms the window's
+        sum in one matmul when it closes, so the sum is written once per window rather than
+        read and written every step. False (nothing kept) for a gradient staged as rows."""
+        if not self.factor_parts:
+            return False
+        x, dy = self._factors()
+        self.window_factors.append((x, dy * alpha if alpha != 1.0 else dy))
+        return True
+
+    def sum_deferred_into(self, accumulator: torch.Tensor) -> None:
+        """``accumulator +=`` the unselected rows of every step ``defer_unselected`` kept."""
+        if self.window_factors:
+            xs, dys = zip(*self.window_factors, strict=True)
+            x = torch.cat(xs).index_select(1, self._host_columns())
+            accumulator.addmm_(x.t(), torch.cat(dys))
+            self.window_factors = []
 
     def new_accumulator(self) -> torch.Tensor:
         device = self.param.device if self.accumulate_on_device else torch.device("cpu")
@@ -519,6 +538,14 @@ class SplitWeight:
             device_tensors
         )
         self.discard_staged()
+
+
+def _refuse_mixed_staging():
+    raise RuntimeError(
+        "zenflow: a weight's gradient arrived both as rows and as factors in one step (a "
+        "compiled and an uncompiled model, or two compiled variants, sharing an optimizer "
+        "within a step); give each step's micro-batches one path"
+    )
 
 
 # Row gathers and scatters as index_select / index_copy_: whole rows copied at once, several
