@@ -3,7 +3,8 @@ partitioned across data-parallel ranks (ZeRO-1/2).
 
 Layout: per-column quantities are *rows* of a ``[columns, out]`` matrix (the weight transposed,
 so each column is contiguous). ``order`` is the weight's global column order: the ``k``
-selected columns (ascending), then the unselected ones grouped by the rank owning them. Every
+selected columns (in device row order), then the unselected ones grouped by the rank owning
+them, each rank's in its host row order. Every
 rank holds the device state of all selected rows (they are updated identically everywhere).
 The host state (fp32 master, moments, per-column step counts) of the natural column block
 ``[lo, hi)`` lives on one rank only, in *local order*: that block's selected columns first
@@ -15,6 +16,10 @@ ranks, and never resets it.
 The parameter itself is re-laid out column-major when the optimizer takes it (same shape and
 values, ``param.data`` replaced, as DeepSpeed replaces it with views of flat buffers): writing
 updated columns back is then a copy of contiguous rows rather than a strided scatter.
+
+A step's gradient arrives as rows in ``order`` (``stage``, from a compiled graph or from
+``.grad``), or, for a batch much smaller than the weight, as its two factors (``stage_factors``):
+then the selected rows and the window's sum are products formed here, after the step's checks.
 
 Options: ``offload`` keeps the selected rows' state in (pinned) host memory instead, updated
 there every step, as DeepSpeed's ``offload`` does; ``accumulate_on_device`` sums the unselected
