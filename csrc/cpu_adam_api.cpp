@@ -31,6 +31,7 @@ constexpr int64_t kChunk = 1 << 16;
 std::mutex g_pool_mu;
 zf::ThreadPool* g_pool = nullptr;  // created on first use; never destroyed at exit (see below)
 int g_num_threads = 1;
+int g_worker_nice = 0;
 std::atomic<int> g_isa{zf::kAuto};
 std::atomic<int> g_inject_failures{0};
 
@@ -79,26 +80,47 @@ void copy_message(const std::string& msg, char* buf, int64_t len) {
 
 }  // namespace
 
-ZF_API int zf_abi_version() { return 2; }
+ZF_API int zf_abi_version() { return 3; }
 
 ZF_API void zf_record_sizes(int64_t* tensor_work, int64_t* hyper) {
   *tensor_work = sizeof(TensorWork);
   *hyper = sizeof(Hyper);
 }
 
-// Waits for every queued job before the new thread count takes effect.
-ZF_API int zf_set_num_threads(int n) {
-  if (n < 1) return -1;
+// Waits for every queued job before new settings take effect (a new pool starts on the next
+// submission); settings equal to the current ones change nothing. -1 keeps a setting.
+static void configure_pool(int threads, int nice) {
   std::lock_guard<std::mutex> lock(g_pool_mu);
+  if (threads < 0) threads = g_num_threads;
+  if (nice < 0) nice = g_worker_nice;
+  if (threads == g_num_threads && nice == g_worker_nice) return;
   delete g_pool;
   g_pool = nullptr;
-  g_num_threads = n;
+  g_num_threads = threads;
+  g_worker_nice = nice;
+}
+
+ZF_API int zf_set_num_threads(int n) {
+  if (n < 1) return -1;
+  configure_pool(n, -1);
   return 0;
 }
 
 ZF_API int zf_get_num_threads() {
   std::lock_guard<std::mutex> lock(g_pool_mu);
   return g_num_threads;
+}
+
+// Niceness of the worker threads, 0-19 (Linux; elsewhere accepted and ignored).
+ZF_API int zf_set_worker_nice(int nice) {
+  if (nice < 0 || nice > 19) return -1;
+  configure_pool(-1, nice);
+  return 0;
+}
+
+ZF_API int zf_get_worker_nice() {
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  return g_worker_nice;
 }
 
 ZF_API int zf_isa() { return effective_isa(); }
@@ -157,7 +179,7 @@ ZF_API int zf_submit(const TensorWork* tensors, int64_t n, const Hyper* hyper, v
         });
     if (num_tasks > 0) {
       std::lock_guard<std::mutex> lock(g_pool_mu);
-      if (!g_pool) g_pool = new zf::ThreadPool(g_num_threads);
+      if (!g_pool) g_pool = new zf::ThreadPool(g_num_threads, g_worker_nice);
       g_pool->submit(job);
     }
     *handle_out = new Handle{std::move(job)};

@@ -1,5 +1,11 @@
 #include "thread_pool.h"
 
+#ifdef __linux__
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <chrono>
 #include <exception>
 #include <utility>
@@ -56,8 +62,12 @@ std::string Job::error() {
   return error_;
 }
 
-ThreadPool::ThreadPool(int num_threads) {
-  for (int i = 0; i < num_threads; ++i) threads_.emplace_back([this] { worker(); });
+ThreadPool::ThreadPool(int num_threads, int nice) {
+  for (int i = 0; i < num_threads; ++i) threads_.emplace_back([this, nice] { worker(nice); });
+  // Return once every worker has set itself up, so that the pool's settings hold for all of
+  // them from the first job on.
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this, num_threads] { return started_ == num_threads; });
 }
 
 ThreadPool::~ThreadPool() {
@@ -77,8 +87,14 @@ void ThreadPool::submit(std::shared_ptr<Job> job) {
   cv_.notify_all();
 }
 
-void ThreadPool::worker() {
+void ThreadPool::worker(int nice) {
+#ifdef __linux__
+  // Per thread on Linux; raising niceness needs no privilege. Failure only costs priority.
+  if (nice > 0) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice);
+#endif
   std::unique_lock<std::mutex> lock(mu_);
+  ++started_;
+  cv_.notify_all();
   for (;;) {
     // A job starts once the one before it has finished, not merely been handed out: jobs
     // that update the same tensors then apply in submission order.

@@ -43,7 +43,9 @@ class Job {
 
 class ThreadPool {
  public:
-  explicit ThreadPool(int num_threads);
+  // nice > 0 lowers the workers' scheduling priority (Linux niceness), so that work running
+  // beside a busy training thread yields the cores to it.
+  ThreadPool(int num_threads, int nice);
   ~ThreadPool();  // finishes every queued job, then joins the workers
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -52,12 +54,13 @@ class ThreadPool {
   int num_threads() const { return static_cast<int>(threads_.size()); }
 
  private:
-  void worker();
+  void worker(int nice);
 
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Job>> queue_;
   bool stop_ = false;
+  int started_ = 0;  // workers past their set-up
   std::vector<std::thread> threads_;
 };
 

@@ -4,6 +4,7 @@ copy-out, the fused ZenFlow boundary pass, determinism, asynchrony and error pat
 import copy
 import gc
 import multiprocessing
+import os
 import subprocess
 import sys
 import threading
@@ -528,3 +529,29 @@ def test_thread_count_helpers():
     with pytest.raises(ValueError):
         cpu_adam.set_num_threads(0)
     assert cpu_adam.isa() in ISAS
+
+
+def _thread_niceness() -> list[int]:
+    return sorted(os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="niceness per thread is Linux's")
+def test_worker_niceness_applies_to_the_pool_threads_only():
+    # In a fresh process: the pool threads it starts are the only threads that change.
+    code = (
+        "import os, torch\n"
+        "from zenflow.runtime import cpu_adam as c\n"
+        "from tests.test_cpu_adam import _thread_niceness\n"
+        "c.set_num_threads(2)\n"
+        "c.set_worker_nice(7)\n"
+        "t = [torch.zeros(1 << 18) for _ in range(4)]\n"
+        "c.adamw_step(*([x] for x in t), lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8,\n"
+        "             weight_decay=0.0, steps=1)\n"
+        "assert c.get_worker_nice() == 7\n"
+        "assert _thread_niceness().count(7) == 2, _thread_niceness()\n"
+        "assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # the calling thread keeps its own\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    for bad in (-1, 20):
+        with pytest.raises(ValueError, match="niceness"):
+            cpu_adam.set_worker_nice(bad)

@@ -34,6 +34,11 @@ from zenflow.runtime.comm import CollectiveError, DataParallel
 from zenflow.runtime.selective_step import compiled_selective_adamw
 from zenflow.runtime.split_weight import SplitWeight
 
+# Niceness of the CPU AdamW workers while an overlapped update runs beside training: where the
+# training thread's compute shares their cores (a CPU-only machine), they take the time it
+# leaves idle instead of slowing every step of the window.
+BACKGROUND_NICE = 10
+
 
 class NonFiniteGradientError(FloatingPointError):
     """A step's gradient norm is NaN or infinite (with ``nonfinite="raise"``)."""
@@ -153,6 +158,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.comm = DataParallel(zero_stage, process_group)
         self._cpu_threads = cpu_adam.threads_from_reserved_cores(settings.pt_reserved_cores_perc)
         cpu_adam.set_num_threads(self._cpu_threads)
+        cpu_adam.set_worker_nice(BACKGROUND_NICE)
 
         self._check_one_device()
         self.weights: list[SplitWeight] = []
@@ -438,12 +444,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     @contextlib.contextmanager
     def _every_core(self):
         """For CPU updates the training thread waits for: the cores it keeps for itself
-        (``pt_reserved_cores_perc``) would idle meanwhile, so the pool uses them too."""
+        (``pt_reserved_cores_perc``) would idle meanwhile, so the pool uses them too, at normal
+        priority."""
         cpu_adam.set_num_threads(os.cpu_count() or 1)
+        cpu_adam.set_worker_nice(0)
         try:
             yield
         finally:
             cpu_adam.set_num_threads(self._cpu_threads)
+            cpu_adam.set_worker_nice(BACKGROUND_NICE)
 
     def _full_host_update(self, weights: list[SplitWeight], coefficient: float) -> None:
         """Warm-up: every column of every weight takes a CPU AdamW step now (k is 0)."""

@@ -50,15 +50,17 @@ __all__ = [
     "adamw_step",
     "boundary_adamw_step",
     "get_num_threads",
+    "get_worker_nice",
     "isa",
     "set_num_threads",
+    "set_worker_nice",
     "submit_adamw_step",
     "submit_boundary_adamw_step",
     "threads_from_reserved_cores",
 ]
 
 BUILD_HINT = "run `pip install -e .` (or `make install`) in the zenflow checkout to build csrc/"
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _OUT_DTYPES = {torch.bfloat16: 1, torch.float16: 2}
 _ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512"}
@@ -124,6 +126,8 @@ def _load():
             raise ImportError(f"{spec.origin} disagrees on record layouts: {BUILD_HINT}")
         lib.zf_set_num_threads.argtypes = [c_int]
         lib.zf_get_num_threads.restype = c_int
+        lib.zf_set_worker_nice.argtypes = [c_int]
+        lib.zf_get_worker_nice.restype = c_int
         lib.zf_isa.restype = c_int
         lib.zf_set_isa.argtypes = [c_int]
         lib.zf_inject_failure.argtypes = [c_int]
@@ -165,6 +169,21 @@ def set_num_threads(n: int) -> None:
 
 def get_num_threads() -> int:
     return _load().zf_get_num_threads()
+
+
+def set_worker_nice(nice: int) -> None:
+    """Sets the worker threads' niceness, 0 (default) to 19, for jobs submitted from now on (after
+    queued ones finish). Above 0 the workers yield the cores to busier threads of the process,
+    such as a training loop that an overlapped update runs beside. Linux only; elsewhere a
+    no-op."""
+    nice = operator.index(nice)
+    if not 0 <= nice <= 19:
+        raise ValueError(f"worker niceness must be in [0, 19], got {nice}")
+    _load().zf_set_worker_nice(nice)
+
+
+def get_worker_nice() -> int:
+    return _load().zf_get_worker_nice()
 
 
 def isa() -> str:
