@@ -34,9 +34,10 @@ from zenflow.runtime.comm import CollectiveError, DataParallel
 from zenflow.runtime.selective_step import compiled_selective_adamw
 from zenflow.runtime.split_weight import SplitWeight
 
-# Niceness of the CPU AdamW workers while an overlapped update runs beside training: where the
-# training thread's compute shares their cores (a CPU-only machine), they take the time it
-# leaves idle instead of slowing every step of the window.
+# Niceness of the CPU AdamW workers while an overlapped update runs beside training: they take
+# the time the training thread leaves idle rather than competing with it for a core (its
+# kernel launches on a GPU machine; its compute on a CPU-only one, where on 2 cores this moves
+# the cost from the steps inside the window to the wait at its close: the mean step is the same).
 BACKGROUND_NICE = 10
 
 
