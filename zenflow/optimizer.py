@@ -436,11 +436,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 hyper["beta2"],
                 hyper["eps"],
                 hyper["weight_decay"],
+                [w.selected_destination() for w in rows]
+                + [(v.param.data.view(1, -1), None) for v in vecs],
             )
             for w in rows:
-                self._counters["h2d_bytes"] += w.write_selected()
-            for v in vecs:
-                v.param.copy_(v.master.view_as(v.param))
+                if w.selected_destination() is None:
+                    self._counters["h2d_bytes"] += w.write_selected()
 
     @contextlib.contextmanager
     def _every_core(self):

@@ -4,6 +4,10 @@ Rows are per-column state (``[k, out]``; a 1-D parameter is one row) and ``steps
 row's step count, so columns with different histories get their own bias correction. ``lr`` and
 ``coefficient`` (the clip factor) are 0-d tensors: as Python floats every new learning rate
 from a schedule would specialize the graph and recompile it.
+
+``destinations``: where each updated master goes in the model, in the same pass: ``(rows,
+index)`` writes master row i to ``rows[index[i]]`` (a weight's selected columns, as rows of its
+column-major storage), ``(rows, None)`` copies the master to ``rows``, None writes nothing.
 """
 
 import functools
@@ -23,9 +27,10 @@ def selective_adamw_(
     beta2: float,
     eps: float,
     weight_decay: float,
+    destinations: list[tuple[torch.Tensor, torch.Tensor | None] | None],
 ) -> None:
-    for master, exp_avg, exp_avg_sq, step, grad in zip(
-        masters, exp_avgs, exp_avg_sqs, steps, grads, strict=True
+    for master, exp_avg, exp_avg_sq, step, grad, destination in zip(
+        masters, exp_avgs, exp_avg_sqs, steps, grads, destinations, strict=True
     ):
         step.add_(1)
         grad = grad * coefficient.to(torch.float32)
@@ -37,6 +42,12 @@ def selective_adamw_(
         bias_correction2_sqrt = (1 - beta2**step64).sqrt().to(torch.float32)
         denom = exp_avg_sq.sqrt() / bias_correction2_sqrt[:, None] + eps
         master.sub_(step_size[:, None] * exp_avg / denom)
+        if destination is not None:
+            rows, index = destination
+            if index is None:
+                rows.copy_(master)
+            else:
+                rows.index_copy_(0, index, master.to(rows.dtype))
 
 
 @functools.cache

@@ -510,6 +510,15 @@ class SplitWeight:
         """The parameter's ``[columns, out]`` rows, a view of its (column-major) storage."""
         return self.param.data.view(self.out, self.columns).t()
 
+    def selected_destination(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where the device update writes the selected rows' new values itself: the parameter's
+        rows at the selected columns. None with ``offload``: the state lives on the host and
+        ``write_selected`` sends the values over (counted as traffic even where the device is
+        the CPU, like every count)."""
+        if self.offload:
+            return None
+        return self._param_rows(), self.order[: self.k]
+
     def write_selected(self) -> int:
         """Copy the selected rows' new values into the parameter; returns the bytes that
         crossed to the device (only with ``offload``)."""
