@@ -423,6 +423,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             calls.setdefault((v.group_index, v.param.device), ([], []))[1].append(v)
         for (group_index, device), (rows, vecs) in calls.items():
             hyper = self._hyper(group_index)
+            destinations = [w.selected_destination() for w in rows]
             self._device_step(
                 [w.device_master for w in rows] + [v.master for v in vecs],
                 [w.device_exp_avg for w in rows] + [v.exp_avg for v in vecs],
@@ -436,11 +437,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 hyper["beta2"],
                 hyper["eps"],
                 hyper["weight_decay"],
-                [w.selected_destination() for w in rows]
-                + [(v.param.data.view(1, -1), None) for v in vecs],
+                destinations + [(v.param.data.view(1, -1), None) for v in vecs],
             )
-            for w in rows:
-                if w.selected_destination() is None:
+            for w, destination in zip(rows, destinations, strict=True):
+                if destination is None:
                     self._counters["h2d_bytes"] += w.write_selected()
 
     @contextlib.contextmanager
@@ -459,27 +459,24 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _full_host_update(self, weights: list[SplitWeight], coefficient: float) -> None:
         """Warm-up: every column of every weight takes a CPU AdamW step now (k is 0)."""
         with self._every_core():
-            self._full_host_update_groups(weights, coefficient)
-
-    def _full_host_update_groups(self, weights: list[SplitWeight], coefficient: float) -> None:
-        for group_index, group_weights in self._by_group(weights):
-            for w in group_weights:
-                w.host_steps += 1
-            self._timed_wait(
-                cpu_adam.submit_adamw_step(
-                    [w.host_master for w in group_weights],
-                    [w.unselected_rows() for w in group_weights],
-                    [w.host_exp_avg for w in group_weights],
-                    [w.host_exp_avg_sq for w in group_weights],
-                    steps=[w.host_steps for w in group_weights],
-                    segment_len=[w.out for w in group_weights],
-                    grad_scale=coefficient,
-                    **self._hyper(group_index),
-                ),
-                cpu=True,
-            )
-            for w in group_weights:
-                self._counters["h2d_bytes"] += w.write_unselected()
+            for group_index, group_weights in self._by_group(weights):
+                for w in group_weights:
+                    w.host_steps += 1
+                self._timed_wait(
+                    cpu_adam.submit_adamw_step(
+                        [w.host_master for w in group_weights],
+                        [w.unselected_rows() for w in group_weights],
+                        [w.host_exp_avg for w in group_weights],
+                        [w.host_exp_avg_sq for w in group_weights],
+                        steps=[w.host_steps for w in group_weights],
+                        segment_len=[w.out for w in group_weights],
+                        grad_scale=coefficient,
+                        **self._hyper(group_index),
+                    ),
+                    cpu=True,
+                )
+                for w in group_weights:
+                    self._counters["h2d_bytes"] += w.write_unselected()
         self._counters["cpu_updates"] += bool(weights)
 
     def _by_group(self, weights: list[SplitWeight]):

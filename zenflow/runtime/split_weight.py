@@ -29,7 +29,7 @@ step's gradient (one rank only: the sum would need its own reduction).
 
 import torch
 
-from zenflow.columns import as_matrix, column_count, column_major, is_column_major
+from zenflow.columns import column_count, column_major, column_rows, is_column_major
 from zenflow.runtime import registry
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.streams import copy_stream
@@ -69,7 +69,7 @@ class SplitWeight:
         ]
         self.k_locals = [0] * comm.world_size
         # A copy even where the parameter is an fp32 CPU tensor whose rows are already contiguous.
-        rows = as_matrix(param.detach()).t()[self.lo : self.hi].to("cpu", torch.float32, copy=True)
+        rows = column_rows(param.detach())[self.lo : self.hi].to("cpu", torch.float32, copy=True)
         self.host_master = self._host(rows)
         self.host_exp_avg = self._host(torch.zeros_like(rows))
         self.host_exp_avg_sq = self._host(torch.zeros_like(rows))
@@ -137,14 +137,13 @@ class SplitWeight:
         if self.factor_parts:
             _refuse_mixed_staging()
         selected, unselected = rows[: self.k], rows[self.k :]
+        if self.micro_batches == 0:
+            self.device_stage = selected.to(torch.float32, copy=True)
+        else:
+            self.device_stage += selected
         if self._reduces_in_backward:
             self._stage_reduced_chunk(unselected)
-            if self.micro_batches == 0:
-                self.device_stage = selected.to(torch.float32, copy=True)
-            else:
-                self.device_stage += selected
         elif self.micro_batches == 0:
-            self.device_stage = selected.to(torch.float32, copy=True)
             if self.distributed or self.accumulate_on_device:
                 self.host_stage = unselected.to(torch.float32, copy=True)
             else:
@@ -154,7 +153,6 @@ class SplitWeight:
                 )
                 self.staged_bytes += unselected.numel() * rows.element_size()
         else:
-            self.device_stage += selected
             self._finish_host_copy()
             if self.host_stage.dtype != torch.float32:
                 self.host_stage = self.host_stage.float()
@@ -173,10 +171,16 @@ class SplitWeight:
         this rank's chunk (its host rows' columns) goes on, to the host."""
         mine = self.comm.reduce_scatter_mean(unselected.to(torch.float32), self.unselected_counts)
         if self.micro_batches == 0:
-            self._stage_block = self._take_block(torch.float32)
-            self.host_stage = self._stage_block[self.k_local :].copy_(mine)
+            self._keep_reduced_chunk(mine)
         else:
             self.host_stage += mine.to(self.host_stage.device)
+            self.staged_bytes += mine.numel() * mine.element_size()
+
+    def _keep_reduced_chunk(self, mine: torch.Tensor) -> None:
+        """This rank's reduced chunk becomes the staged host rows, in a host block (where a
+        reselection reorders them in place)."""
+        self._stage_block = self._take_block(torch.float32)
+        self.host_stage = self._stage_block[self.k_local :].copy_(mine)
         self.staged_bytes += mine.numel() * mine.element_size()
 
     @property
@@ -223,7 +227,7 @@ class SplitWeight:
 
     def stage_grad(self, grad: torch.Tensor) -> None:
         """The eager path: a gradient that arrived in ``.grad`` instead of through a graph."""
-        rows = as_matrix(grad).t().index_select(0, self.order)
+        rows = column_rows(grad).index_select(0, self.order)
         self.stage(rows)
         self.record_importance(rows.float().square().sum(1))
 
@@ -273,10 +277,9 @@ class SplitWeight:
             return
         self.comm.all_reduce_mean_(self.device_stage)
         if not self._reduces_in_backward:
-            mine = self.comm.reduce_scatter_mean(self.host_stage, self.unselected_counts)
-            self._stage_block = self._take_block(torch.float32)
-            self.host_stage = self._stage_block[self.k_local :].copy_(mine)
-            self.staged_bytes += self.host_stage.numel() * self.host_stage.element_size()
+            self._keep_reduced_chunk(
+                self.comm.reduce_scatter_mean(self.host_stage, self.unselected_counts)
+            )
         self._stage_selected_where_updated()
 
     def _stage_selected_where_updated(self) -> None:
@@ -520,11 +523,12 @@ class SplitWeight:
         return self._param_rows(), self.order[: self.k]
 
     def write_selected(self) -> int:
-        """Copy the selected rows' new values into the parameter; returns the bytes that
-        crossed to the device (only with ``offload``)."""
+        """``offload``: copy the selected rows' new values from the host into the parameter;
+        returns the bytes that crossed to the device. (Otherwise the device update writes them
+        itself: ``selected_destination``.)"""
         values = self.device_master.to(self.param.device, self.param.dtype)
         self._param_rows().index_copy_(0, self.order[: self.k], values)
-        return self.offload * values.numel() * values.element_size()
+        return values.numel() * values.element_size()
 
     def write_unselected(self) -> int:
         """Send this rank's unselected host rows, gathered from every rank, into the parameter;
