@@ -6,10 +6,11 @@
 A GPT-style model (token + position embeddings, pre-LN blocks with
 F.scaled_dot_product_attention, LM head tied to the token embedding) is compiled twice, in one
 process: with backend "inductor", and with backend "zenflow" plus a ZenFlowAdamW (step_backend
-"eager") that owns its weights, so the zenflow backward also produces each weight's gradient
-columns in the runtime's order, computes per-column importance and stages the rows (or, for a
-batch far smaller than the weight, stages the gradient's two factors and leaves the product to
-``step()``: try ``--batch 1 --seq 32``). Forward
+"eager") that owns its weights, so the zenflow backward hands each weight's gradient to the
+runtime, which forms its rows in its column order straight into the host buffers (or, for a
+batch far smaller than the weight, keeps the gradient's two factors and leaves the product to
+``step()``: try ``--batch 1 --seq 32``). Per-column importance is taken in ``step()`` from the
+staged rows, so select steps and update_interval "auto" run the same backward. Forward
 passes are not timed; backward passes of the two alternate (noise hits both alike) and
 ``opt.zero_grad()`` (zenflow) / ``model.zero_grad()`` (inductor) discards the gradients between
 iterations. Table 1: median backward time and the ratio, before the first selection (k = 0:
@@ -218,8 +219,8 @@ def main() -> None:
             f"{kind:<24} {len(times):>5} {1000 * median:>8.2f}ms {1000 * max(times):>8.2f}ms "
             f"{median / ordinary:>11.2f}x"
         )
-    # update_interval "auto" reads the per-column norms every step computes anyway.
-    print("update_interval auto: same backward graph as above (no extra work per step)")
+    # Importance is taken in step() from the staged rows (the same read that gives the norm).
+    print("select steps, update_interval auto: same backward as above (importance in step())")
     print(
         f"stats: reselections {stats['reselections']}, cpu_updates {stats['cpu_updates']}, "
         f"optimizer_wait_s {stats['optimizer_wait_s']:.3f}, cpu_adam_s {stats['cpu_adam_s']:.3f}"

@@ -80,7 +80,7 @@ void copy_message(const std::string& msg, char* buf, int64_t len) {
 
 }  // namespace
 
-ZF_API int zf_abi_version() { return 3; }
+ZF_API int zf_abi_version() { return 4; }
 
 ZF_API void zf_record_sizes(int64_t* tensor_work, int64_t* hyper) {
   *tensor_work = sizeof(TensorWork);

@@ -21,7 +21,7 @@ def split_pair(out=24, columns=40, selected=(3, 7, 11, 30)):
 def test_factors_give_the_norm_scores_and_rows_of_their_product():
     g = torch.Generator().manual_seed(0)
     as_rows, as_factors = split_pair()
-    assert as_factors.takes_factors
+    assert as_factors.stages_on_host
     parts = [(torch.randn(3, 40, generator=g), torch.randn(3, 24, generator=g)) for _ in range(2)]
     grad_t = sum(x.t() @ dy for x, dy in parts)  # two micro-batches: [columns, out]
     for x, dy in parts:

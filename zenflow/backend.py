@@ -20,16 +20,12 @@ _INNER = ("inductor", "eager")
 def rewrite_backward(gm: torch.fx.GraphModule, slot_of_input: dict[int, int]) -> None:
     """Run zenflow's passes over a backward graph, in place."""
     from zenflow.passes.column_split import split_columns
-    from zenflow.passes.importance import insert_importance
     from zenflow.passes.locate_grads import locate_param_grads
-    from zenflow.runtime import registry
 
     sites = locate_param_grads(gm.graph, slot_of_input)
     if not sites:
         return
-    factor_slots = frozenset(s.slot for s in sites if registry.owner(s.slot).takes_factors)
-    split_columns(gm.graph, sites, factor_slots)
-    insert_importance(gm.graph)
+    split_columns(gm.graph, sites)
     # The dropped gradients' last transposes are now dead; our ops survive as side effects.
     gm.graph.eliminate_dead_code()
     gm.graph.lint()

@@ -1,31 +1,28 @@
-"""Pass 2: hand each owned weight's gradient to the runtime as rows in column order.
+"""Pass 2: hand each owned weight's gradient to the runtime instead of returning it.
 
-For a weight gradient G of shape [out, *rest] (viewed as [out, columns]), the runtime's column
-order puts the selected columns first. The pass produces G's columns in that order as rows of a
-``[columns, out]`` matrix (each column contiguous, the layout of the host buffers) and stages
-them; the order is data fetched at run time, so a reselection needs no recompile. For a matmul
-gradient ``G = dY.T @ X`` it gathers the columns of the activation X (batch x columns) rather
-than of G (out x columns). The weight's gradient output becomes None: no full-size ``.grad`` is
-ever stored::
+The weight's gradient output becomes None (no full-size ``.grad`` is ever stored) and one op
+per weight hands the gradient over. For a matmul gradient ``G = dY.T @ X`` (the usual case) the
+op takes the two factors of ``G.T == X.T @ dY``: the runtime forms the product itself, its rows
+(G's columns) in the runtime's column order, straight into the buffers that keep them, or keeps
+the factors when the batch is much smaller than the weight. The order is runtime data, so a
+reselection needs no recompile::
 
     # before                                # after
     mm_2 = aten.mm(t_6, primals_3)          x_t = aten.permute(primals_3, [1, 0])
                                             dy = aten.permute(t_6, [1, 0])
-                                            order = zenflow.column_order(x_t, slot)
-                                            x_rows = aten.index(x_t, [order])
-                                            rows = aten.mm(x_rows, dy)   # G.T[order]
-                                            zenflow.stage_columns(rows, slot)
+                                            zenflow.stage_matmul(x_t, dy, slot)
     return (mm_2, ...)                      return (None, ...)
 
-When the batch is small against the weight (``FACTOR_RATIO * batch <= min(columns, out)``) and
-the runtime takes factors (one process, weight on the CPU, where the product costs the same in
-backward or in the step), the product is not formed at all: the two factors are staged and the
-runtime multiplies them straight into its buffers once the step's checks are done::
+Any other gradient (an embedding's, a sum of a matmul and a lookup for a tied weight) is handed
+over as ``G.T`` for the runtime to gather its rows from, written in G.T's layout where that is
+cheap (an embedding's lookup gradient is added into G.T's columns) and a view otherwise::
 
-    mm_2 = aten.mm(t_6, primals_3)          x_t = aten.permute(primals_3, [1, 0])
-                                            dy = aten.permute(t_6, [1, 0])
-                                            zenflow.stage_factors(x_t, dy, slot)
-    return (mm_2, ...)                      return (None, ...)
+    t_7 = aten.permute(mm_3, [1, 0])        rows = aten.reshape(dx, [-1, width])
+    lookup = aten.embedding_dense_backward( ids = aten.reshape(tokens, [-1])
+        dx, tokens, vocab, -1, False)       rows_t = aten.permute(rows, [1, 0])
+    add_1 = aten.add(t_7, lookup)           g_t = aten.index_add(mm_3, 1, ids, rows_t)
+                                            zenflow.stage_columns(g_t, slot)
+    return (add_1, ...)                     return (None, ...)
 """
 
 import torch
@@ -35,11 +32,6 @@ from zenflow.passes.graph_edit import call, output_values, set_output_values
 from zenflow.passes.locate_grads import GradSite
 
 aten = torch.ops.aten
-
-# Factors are staged when the batch is at most this fraction of the weight's smaller side: then
-# they hold a small part of the gradient's bytes, and the importance computed from them (batch
-# squared per column) costs less than a pass over the gradient.
-FACTOR_RATIO = 4
 
 
 def _is_transpose(node: torch.fx.Node) -> bool:
@@ -72,51 +64,64 @@ def _transposed_operands(graph: torch.fx.Graph, grad: torch.fx.Node):
     )
 
 
-def _cheaper_to_gather_operand(lhs: torch.fx.Node, rhs: torch.fx.Node) -> bool:
-    """Gathering the rows of ``lhs`` ([columns, n]) instead of the product's ([columns, out])
-    moves n / out as much; n is the batch (tokens), often far below out."""
-    n, out = lhs.meta["val"].shape[1], rhs.meta["val"].shape[1]
-    if isinstance(n, int) and isinstance(out, int):
-        return n <= out
-    return True
+def _transposed(graph: torch.fx.Graph, grad: torch.fx.Node) -> torch.fx.Node:
+    """G.T, written in its own layout where that is cheap: the graph's own transpose where G is
+    one; an embedding lookup's gradient as the looked-up rows' gradients added into G.T's
+    columns (``index_add``) rather than a dense ``[num, width]`` gradient transposed; a sum
+    nothing else reads as the sum of its terms' transposes (a term that is a transposed matmul
+    is then used as computed); else a view."""
+    if _is_transpose(grad):
+        return grad.args[0]
+    if _is_lookup(grad):
+        rows, width = grad.args[0], grad.meta["val"].shape[1]
+        zeros = call(graph, aten.new_zeros.default, rows, [width, grad.args[2]])
+        return _add_lookup_transposed(graph, zeros, grad)
+    if not _is_plain_sum(grad):
+        return call(graph, aten.permute.default, grad, [1, 0])
+    lookups = [term for term in grad.args if _is_lookup(term)]
+    others = [_transposed(graph, term) for term in grad.args if not _is_lookup(term)]
+    if not others:
+        return call(graph, aten.add.Tensor, *(_transposed(graph, term) for term in lookups))
+    total = others[0] if len(others) == 1 else call(graph, aten.add.Tensor, *others)
+    for lookup in lookups:
+        total = _add_lookup_transposed(graph, total, lookup)
+    return total
 
 
-def _factors_pay(lhs: torch.fx.Node, rhs: torch.fx.Node) -> bool:
-    columns, batch = lhs.meta["val"].shape
-    out = rhs.meta["val"].shape[1]
-    if not all(isinstance(size, int) for size in (columns, batch, out)):
+def _is_lookup(node: torch.fx.Node) -> bool:
+    """An embedding's gradient without padding index or frequency scaling."""
+    if node.target is not aten.embedding_dense_backward.default:
         return False
-    return FACTOR_RATIO * batch <= min(columns, out)
+    _, _, _, padding_idx, scale_grad_by_freq = node.args
+    return padding_idx == -1 and not scale_grad_by_freq
 
 
-def _rows_in_column_order(
-    graph: torch.fx.Graph, grad: torch.fx.Node, operands, slot: int
+def _add_lookup_transposed(
+    graph: torch.fx.Graph, columns_by_out: torch.fx.Node, lookup: torch.fx.Node
 ) -> torch.fx.Node:
-    """G.T's rows (G's columns) in the runtime's column order, contiguous.
-
-    When G is a matmul only G reads, the rows of its left operand are gathered before the
-    product (``G.T[order] == lhs[order] @ rhs``), which for a small batch is a fraction of
-    gathering the product. Otherwise G.T is gathered: the graph's own transpose where there is
-    one, or a view. ``operands``: ``_transposed_operands(graph, grad)``."""
-    if operands is None:
-        transposed = grad.args[0] if _is_transpose(grad) else None
-        if transposed is None:
-            transposed = call(graph, aten.permute.default, grad, [1, 0])
-        order = call(graph, torch.ops.zenflow.column_order.default, transposed, slot)
-        return call(graph, aten.index.Tensor, transposed, [order])
-    lhs, rhs = operands
-    order = call(graph, torch.ops.zenflow.column_order.default, lhs, slot)
-    if _cheaper_to_gather_operand(lhs, rhs):
-        gathered = call(graph, aten.index.Tensor, lhs, [order])
-        return call(graph, aten.mm.default, gathered, rhs)
-    product = call(graph, aten.mm.default, lhs, rhs)
-    return call(graph, aten.index.Tensor, product, [order])
+    """``columns_by_out + lookup.T``: each looked-up row's gradient added into its column."""
+    rows, indices = lookup.args[0], lookup.args[1]
+    width = lookup.meta["val"].shape[1]
+    flat_rows = call(graph, aten.reshape.default, rows, [-1, width])
+    flat_indices = call(graph, aten.reshape.default, indices, [-1])
+    by_width = call(graph, aten.permute.default, flat_rows, [1, 0])
+    return call(graph, aten.index_add.default, columns_by_out, 1, flat_indices, by_width)
 
 
-def split_columns(
-    graph: torch.fx.Graph, sites: list[GradSite], factor_slots: frozenset[int] = frozenset()
-) -> None:
-    """``factor_slots``: the weights whose runtime takes gradient factors (``stage_factors``)."""
+def _is_plain_sum(node: torch.fx.Node) -> bool:
+    shape = node.meta["val"].shape
+    return (
+        node.target is aten.add.Tensor
+        and not node.kwargs
+        and len(node.users) == 1
+        and all(
+            isinstance(term, torch.fx.Node) and term.meta["val"].shape == shape
+            for term in node.args
+        )
+    )
+
+
+def split_columns(graph: torch.fx.Graph, sites: list[GradSite]) -> None:
     outputs = output_values(graph)
     for site in sites:
         grad = site.grad
@@ -130,10 +135,14 @@ def split_columns(
                     out = call(graph, aten.sym_size.int, grad, 0)
                 grad = call(graph, aten.view.default, grad, [out, -1])
             operands = _transposed_operands(graph, grad)
-            if site.slot in factor_slots and operands is not None and _factors_pay(*operands):
-                call(graph, torch.ops.zenflow.stage_factors.default, *operands, site.slot)
+            if operands is not None:
+                call(graph, torch.ops.zenflow.stage_matmul.default, *operands, site.slot)
             else:
-                rows = _rows_in_column_order(graph, grad, operands, site.slot)
-                call(graph, torch.ops.zenflow.stage_columns.default, rows, site.slot)
+                call(
+                    graph,
+                    torch.ops.zenflow.stage_columns.default,
+                    _transposed(graph, grad),
+                    site.slot,
+                )
         outputs[site.output_index] = None
     set_output_values(graph, outputs)

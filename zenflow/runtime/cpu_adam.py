@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 BUILD_HINT = "run `pip install -e .` (or `make install`) in the zenflow checkout to build csrc/"
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 _GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _OUT_DTYPES = {torch.bfloat16: 1, torch.float16: 2}
 _ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512"}
@@ -145,6 +145,18 @@ def _load():
         lib.zf_job_error.restype = c_i64
         lib.zf_job_release.argtypes = [c_void_p]
         lib.zf_job_release.restype = None
+        lib.zf_gather_columns.argtypes = [
+            c_void_p,
+            c_i64,
+            c_i64,
+            c_i64,
+            c_void_p,
+            c_i64,
+            c_void_p,
+            c_i64,
+            c_int,
+        ]
+        lib.zf_gather_columns.restype = c_int
         lib.zf_set_num_threads(threads_from_reserved_cores(DEFAULT_PT_RESERVED_CORES_PERC))
         _lib = lib
         return lib

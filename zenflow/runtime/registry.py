@@ -17,7 +17,8 @@ _next_slot = 0
 
 
 def register(param: torch.Tensor, owner) -> int:
-    """Give ``owner`` (an object with ``column_order()`` and ``stage()``) a slot for ``param``."""
+    """Give ``owner`` (an object with ``stage_matmul()`` and ``stage_columns()``) a slot for
+    ``param``."""
     global _next_slot
     if param in _slot_of and _owner_of_slot[_slot_of[param]]() is not None:
         raise ValueError(

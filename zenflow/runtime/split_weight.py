@@ -17,9 +17,11 @@ The parameter itself is re-laid out column-major when the optimizer takes it (sa
 values, ``param.data`` replaced, as DeepSpeed replaces it with views of flat buffers): writing
 updated columns back is then a copy of contiguous rows rather than a strided scatter.
 
-A step's gradient arrives as rows in ``order`` (``stage``, from a compiled graph or from
-``.grad``), or, for a batch much smaller than the weight, as its two factors (``stage_factors``):
-then the selected rows and the window's sum are products formed here, after the step's checks.
+A step's gradient arrives from a compiled graph as a matmul's two factors (``stage_matmul``) or
+as ``G.T`` (``stage_columns``; the eager path hands ``.grad`` over the same way). Its rows are
+formed here in ``order``, straight into the buffers that keep them; for a batch much smaller than
+the weight the factors themselves are kept (``stage_factors``): then the selected rows and the
+window's sum are products formed after the step's checks.
 
 Options: ``offload`` keeps the selected rows' state in (pinned) host memory instead, updated
 there every step, as DeepSpeed's ``offload`` does; ``accumulate_on_device`` sums the unselected
@@ -27,11 +29,14 @@ rows on the device and ships the window's sum to the host once per window instea
 step's gradient (one rank only: the sum would need its own reduction).
 """
 
+import functools
+
 import torch
 
 from zenflow.columns import column_count, column_major, column_rows, is_column_major
 from zenflow.runtime import registry
 from zenflow.runtime.comm import DataParallel
+from zenflow.runtime.gradient_rows import factors_pay, gather_rows, matmul_rows
 from zenflow.runtime.streams import copy_stream
 
 
@@ -123,19 +128,63 @@ class SplitWeight:
 
     # The runtime side of zenflow.ops: called from compiled backward graphs (or eagerly).
 
-    def column_order(self) -> torch.Tensor:
-        return self.order
+    def stage_matmul(self, columns_by_batch: torch.Tensor, out_grad: torch.Tensor) -> None:
+        """This micro-batch's gradient as a matmul, ``G.T == columns_by_batch @ out_grad``
+        (``[columns, batch]`` and ``[batch, out]``): kept as the two factors when the batch is
+        much smaller than the weight and the step can multiply them (``stages_on_host``), else
+        its rows are formed here."""
+        if self.factor_parts or (
+            not self.micro_batches
+            and self.stages_on_host
+            and factors_pay(columns_by_batch, out_grad)
+        ):
+            self.stage_factors(columns_by_batch, out_grad)
+            return
+        rows = functools.partial(matmul_rows, columns_by_batch, out_grad, self.order)
+        self._stage_rows(rows, columns_by_batch.dtype)
+
+    def stage_columns(self, columns_by_out: torch.Tensor) -> None:
+        """This micro-batch's gradient as ``G.T`` (``[columns, out]``, natural column order, any
+        strides)."""
+        rows = functools.partial(gather_rows, columns_by_out, self.order)
+        self._stage_rows(rows, columns_by_out.dtype)
+
+    def _stage_rows(self, rows_in_order, dtype: torch.dtype) -> None:
+        """``rows_in_order(out=None)``: the gradient's rows in ``order`` (``[columns, out]``).
+
+        Where the host buffers are the staging buffers (``stages_on_host``: one process, the
+        weight on the CPU), the first micro-batch's rows are formed straight into a host block
+        (one process: the block's rows are ``order``'s), written once and never copied except
+        for the selected rows' small part; their importance waits until the step asks for it.
+        Otherwise the rows are formed as one tensor and staged (``stage``), their importance
+        taken next to them on the device (with one rank; with several it comes from the
+        reduced sum)."""
+        if self.factor_parts:
+            _refuse_mixed_staging()
+        if self.micro_batches or not self.stages_on_host:
+            rows = rows_in_order()
+            self.stage(rows)
+            if not self.distributed and self.micro_batches == 1:
+                self._scores = _squared_row_norms(rows)
+            return
+        self._stage_block = rows_in_order(out=self._take_block(dtype))
+        self.device_stage = self._stage_block[: self.k].to(torch.float32, copy=True)
+        self.host_stage = self._stage_block[self.k :]
+        self.staged_bytes += self.host_stage.numel() * self.host_stage.element_size()
+        self.micro_batches = 1
 
     def stage(self, rows: torch.Tensor) -> None:
-        """Keep this micro-batch's gradient rows until the step commits them.
+        """Keep this micro-batch's gradient rows (``[columns, out]`` in ``order``) until the
+        step commits them.
 
-        Copies: a compiled graph may reuse ``rows``' storage as soon as this returns. With one
-        rank the unselected rows start for the host at once, overlapping with the rest of the
+        Copies: the caller may reuse ``rows``' storage as soon as this returns. With one rank
+        the unselected rows start for the host at once, overlapping with the rest of the
         backward pass. With several, ZeRO-2 reduce-scatters them here and keeps only this
         rank's chunk; ZeRO-1 keeps them on the device until the step reduces them.
         """
         if self.factor_parts:
             _refuse_mixed_staging()
+        self._scores = None
         selected, unselected = rows[: self.k], rows[self.k :]
         if self.micro_batches == 0:
             self.device_stage = selected.to(torch.float32, copy=True)
@@ -184,10 +233,11 @@ class SplitWeight:
         self.staged_bytes += mine.numel() * mine.element_size()
 
     @property
-    def takes_factors(self) -> bool:
-        """Whether a backward graph may stage this weight's gradient as factors
-        (``stage_factors``): with one process, the weight on the CPU and host-side sums, where
-        multiplying them in the step costs what the product would have cost in backward."""
+    def stages_on_host(self) -> bool:
+        """Whether the host buffers are this weight's staging buffers: with one process, the
+        weight on the CPU and host-side sums. Then a gradient's rows are formed straight into
+        them, and its factors may be kept for the step to multiply, which costs what the
+        product would have cost in backward."""
         return (
             not self.distributed
             and self.param.device.type == "cpu"
@@ -222,14 +272,9 @@ class SplitWeight:
             self.host_stage = self._host_copy.wait()
             self._host_copy = None
 
-    def record_importance(self, scores: torch.Tensor) -> None:
-        self.score_parts.append(scores.detach().clone())
-
     def stage_grad(self, grad: torch.Tensor) -> None:
         """The eager path: a gradient that arrived in ``.grad`` instead of through a graph."""
-        rows = column_rows(grad).index_select(0, self.order)
-        self.stage(rows)
-        self.record_importance(rows.float().square().sum(1))
+        self.stage_columns(column_rows(grad))
 
     def _take_block(self, dtype: torch.dtype) -> torch.Tensor:
         for i, block in enumerate(self._spare_blocks):
@@ -257,7 +302,7 @@ class SplitWeight:
         self.host_stage = None
         self._host_copy = None
         self.micro_batches = 0
-        self.score_parts = []
+        self._scores: torch.Tensor | None = None
         self.factor_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.staged_bytes = 0
 
@@ -291,19 +336,20 @@ class SplitWeight:
 
     def staged_scores(self) -> torch.Tensor:
         """Squared column norms of the staged (summed, reduced) gradient, in global column
-        order, fp32 on the host, identical on every rank.
+        order, fp32 on the host, identical on every rank; computed once per step.
 
-        With one rank and one micro-batch the graph already computed them next to the gradient;
-        otherwise they come from the reduced sum, since norms of parts do not add up.
+        Taken from the staged rows when first asked for, unless staging already took them
+        (``_stage_rows``); with several micro-batches always from their sum, since norms of
+        parts do not add up.
         """
-        if not self.distributed and self.micro_batches == 1 and len(self.score_parts) == 1:
-            return self.score_parts[0].float().cpu()
-        device_part = self.device_stage.square().sum(1).cpu()
-        host_part = torch.zeros(self.columns - self.k)
-        start = sum(self.unselected_counts[: self.comm.rank])
-        mine = self.host_stage.float().square().sum(1)
-        host_part[start : start + mine.numel()] = mine
-        return torch.cat([device_part, self.comm.all_reduce_sum_(host_part)])
+        if self._scores is None:
+            device_part = _squared_row_norms(self.device_stage).cpu()
+            host_part = torch.zeros(self.columns - self.k)
+            start = sum(self.unselected_counts[: self.comm.rank])
+            mine = _squared_row_norms(self.host_stage)
+            host_part[start : start + mine.numel()] = mine
+            self._scores = torch.cat([device_part, self.comm.all_reduce_sum_(host_part)])
+        return self._scores.float().cpu()
 
     def staged_norm_sq(self) -> float:
         """Squared norm of the staged gradient (identical on every rank). From factors:
@@ -479,7 +525,7 @@ class SplitWeight:
             self.host_stage = host_state[4][self.k_local :]
             if self.accumulate_on_device:
                 self.host_stage = self.host_stage.to(self.param.device)
-            self.score_parts = []
+            self._scores = None
         return leaving_mine.numel() * self._row_bytes(), entering.numel() * self._row_bytes()
 
     def _staged_block(self) -> torch.Tensor:
@@ -556,6 +602,11 @@ class SplitWeight:
             device_tensors
         )
         self.discard_staged()
+
+
+def _squared_row_norms(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's squared L2 norm in fp32: one read of ``rows``, no temporary of its size."""
+    return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32).square()
 
 
 def _refuse_mixed_staging():

@@ -1,0 +1,109 @@
+"""A weight's gradient handed over as a matmul's factors or as G.T: the runtime's rows, scores
+and norm equal those of the gradient itself, however it was formed."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from zenflow.runtime.comm import DataParallel
+from zenflow.runtime.gradient_rows import FACTOR_RATIO, TILED_GATHER_MIN_ELEMENTS, gather_rows
+from zenflow.runtime.split_weight import SplitWeight
+
+OUT, COLUMNS, SELECTED = 24, 40, (3, 7, 11, 30)
+
+
+def split_weight(accumulate_on_device: bool) -> SplitWeight:
+    param = torch.nn.Parameter(torch.randn(OUT, COLUMNS, generator=torch.Generator()))
+    w = SplitWeight(param, 0, DataParallel(), pin=False, accumulate_on_device=accumulate_on_device)
+    w.reselect(torch.tensor(SELECTED))
+    return w
+
+
+def hand_over(w: SplitWeight, form: str, x: torch.Tensor, dy: torch.Tensor) -> None:
+    """x: [batch, columns] activation, dy: [batch, out]; the gradient is G = dy.T @ x."""
+    if form == "matmul":
+        w.stage_matmul(x.t(), dy)
+    elif form == "transposed view":
+        w.stage_columns((dy.t() @ x).t())
+    else:
+        w.stage_columns((x.t() @ dy).contiguous())
+
+
+FORMS = ["matmul", "transposed view", "contiguous"]
+
+
+@pytest.mark.parametrize("accumulate_on_device", [False, True])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("batch", [8, 32])  # below and above OUT: either operand is gathered
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_rows_scores_and_norm_are_the_gradients(form, batch, accumulate_on_device, micro_batches):
+    assert FACTOR_RATIO * batch > min(OUT, COLUMNS)  # rows, not factors
+    g = torch.Generator().manual_seed(batch)
+    w = split_weight(accumulate_on_device)
+    grad_t = torch.zeros(COLUMNS, OUT)
+    for _ in range(micro_batches):
+        x, dy = torch.randn(batch, COLUMNS, generator=g), torch.randn(batch, OUT, generator=g)
+        hand_over(w, form, x, dy)
+        grad_t += x.t() @ dy
+    w.reduce_staged()
+    assert not w.factor_parts
+    assert_close(w.selected_rows(), grad_t[w.order[: w.k]], rtol=1e-5, atol=1e-5)
+    assert_close(w.unselected_rows(), grad_t[w.order[w.k :]], rtol=1e-5, atol=1e-5)
+    assert_close(w.column_scores(), grad_t.square().sum(1), rtol=1e-5, atol=1e-4)
+    norm_sq = float(grad_t.double().square().sum())
+    assert w.staged_norm_sq() == pytest.approx(norm_sq, rel=1e-5)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_one_process_on_the_cpu_forms_the_rows_in_the_host_block(form):
+    """Written where they stay: the staged unselected rows are the reusable host block's rows,
+    with no copy in between, and the block is the same one from step to step."""
+    g = torch.Generator().manual_seed(0)
+    w = split_weight(accumulate_on_device=False)
+    blocks = set()
+    for _ in range(3):
+        x, dy = torch.randn(16, COLUMNS, generator=g), torch.randn(16, OUT, generator=g)
+        hand_over(w, form, x, dy)
+        w.reduce_staged()
+        assert w.host_stage.data_ptr() == w._stage_block[w.k_local :].data_ptr()
+        assert w.staged_bytes == (COLUMNS - len(SELECTED)) * OUT * 4
+        blocks.add(w._stage_block.data_ptr())
+        w.discard_staged()
+    assert len(blocks) == 1
+
+
+def test_a_small_batch_is_kept_as_factors_only_where_the_host_stages():
+    x, dy = torch.randn(2, COLUMNS), torch.randn(2, OUT)
+    on_host, on_device = split_weight(False), split_weight(True)
+    for w in (on_host, on_device):
+        w.stage_matmul(x.t(), dy)
+    assert on_host.factor_parts and not on_device.factor_parts
+    # Later micro-batches follow the first one's form, whatever their size.
+    on_host.stage_matmul(torch.randn(COLUMNS, 32), torch.randn(32, OUT))
+    assert len(on_host.factor_parts) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("picked", ["permutation", "subset"])
+def test_tiled_gather_of_a_transposed_matrix_equals_indexing(dtype, picked):
+    """Large enough for csrc's tiled kernel; a row stride wider than the row, odd sizes."""
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(700, 130, generator=g).to(dtype)
+    matrix = wide[:, :97]  # [out, columns] with row stride 130
+    columns_by_out = matrix.t()
+    assert columns_by_out.numel() >= TILED_GATHER_MIN_ELEMENTS
+    index = torch.randperm(97, generator=g)
+    if picked == "subset":
+        index = index[:41]
+    out = torch.full((index.numel(), 700), float("nan"), dtype=dtype)
+    assert gather_rows(columns_by_out, index, out=out) is out
+    assert torch.equal(out, columns_by_out[index])
+    assert torch.equal(gather_rows(columns_by_out, index), columns_by_out[index])
+
+
+def test_tiled_gather_refuses_an_index_out_of_range_and_writes_nothing():
+    columns_by_out = torch.randn(1000, 100).t()
+    out = torch.zeros(2, 1000)
+    with pytest.raises(IndexError, match="out of range for 100 columns"):
+        gather_rows(columns_by_out, torch.tensor([3, 100]), out=out)
+    assert not out.any()

@@ -1,0 +1,96 @@
+"""A weight's gradient rows (its columns: ``G.T``, ``[columns, out]``) at chosen columns, formed
+straight into the buffer that keeps them.
+
+Backward graphs hand a weight's gradient to the runtime in one of two forms: a matmul's two
+factors, ``G.T == a @ b`` (``a``: ``[columns, batch]``, ``b``: ``[batch, out]``), or ``G.T``
+itself, with whatever strides the graph produced it in. The runtime wants the rows of some
+columns (the selected ones; the unselected ones in its host order), written once, where they
+stay, rather than formed in natural order, gathered, and copied again.
+"""
+
+import torch
+
+from zenflow.runtime.cpu_adam import _load as load_library
+
+# Factors are kept (and multiplied in the step) when the batch is at most this fraction of the
+# weight's smaller side: then they hold a small part of the gradient's bytes, and the importance
+# computed from them (batch squared per column) costs less than a pass over the gradient.
+FACTOR_RATIO = 4
+
+# Gathering a matmul's left operand (a batch's worth per column) beats gathering the product's
+# rows from a batch of a quarter of the product's width down (measured on CPU, 2 threads).
+OPERAND_GATHER_RATIO = 4
+
+# Below this many elements torch's strided copy is done before csrc's threads would wake.
+TILED_GATHER_MIN_ELEMENTS = 1 << 16
+
+
+def factors_pay(a: torch.Tensor, b: torch.Tensor) -> bool:
+    columns, batch = a.shape
+    return FACTOR_RATIO * batch <= min(columns, b.shape[1])
+
+
+def gather_rows(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None):
+    """``rows[index]`` for a 2-D tensor of any strides, into ``out`` when given.
+
+    A transposed view of a row-major matrix on the CPU (a gradient the graph produced as
+    ``[out, columns]``) is gathered by csrc's tiled kernel: torch's strided copy would read it
+    one element per cache line, several times slower."""
+    index = index.to(rows.device)
+    if out is None:
+        out = rows.new_empty(index.numel(), rows.shape[1])
+    fits = (
+        out.is_contiguous()
+        and out.dtype == rows.dtype
+        and out.shape == (index.numel(), rows.shape[1])
+    )
+    if _is_host_transpose(rows) and fits:
+        src = rows.t()
+        index = index.contiguous()
+        failed = load_library().zf_gather_columns(
+            src.data_ptr(),
+            src.shape[0],
+            src.shape[1],
+            src.stride(0),
+            index.data_ptr(),
+            index.numel(),
+            out.data_ptr(),
+            out.shape[1],
+            out.element_size(),
+        )
+        if failed:
+            raise IndexError(f"column index out of range for {src.shape[1]} columns")
+        return out
+    return torch.index_select(rows, 0, index, out=out)
+
+
+def _is_host_transpose(rows: torch.Tensor) -> bool:
+    """A 2-D CPU tensor whose columns are contiguous (the transpose of a row-major matrix),
+    large enough for csrc's tiled gather to pay."""
+    return (
+        rows.device.type == "cpu"
+        and rows.numel() >= TILED_GATHER_MIN_ELEMENTS
+        and rows.dim() == 2
+        and rows.shape[0] > 1
+        and rows.stride(0) == 1
+        and rows.stride(1) >= rows.shape[0]
+        and rows.element_size() in (2, 4)
+    )
+
+
+def matmul_rows(
+    a: torch.Tensor, b: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None
+):
+    """``(a @ b)[index]``, into ``out`` when given. The product is formed and its rows
+    gathered (contiguous rows, the cheapest gather), unless the batch is small against the
+    product's width (``OPERAND_GATHER_RATIO``): then the rows of ``a`` are gathered before the
+    product, which moves far fewer bytes (``a`` is usually a transposed activation, gathered
+    along its contiguous dimension)."""
+    index = index.to(a.device)
+    if OPERAND_GATHER_RATIO * a.shape[1] > b.shape[1]:
+        return gather_rows(torch.mm(a, b), index, out=out)
+    if a.t().is_contiguous():
+        gathered = a.t().index_select(1, index).t()
+    else:
+        gathered = a.index_select(0, index)
+    return torch.mm(gathered, b, out=out)
