@@ -68,26 +68,37 @@ def test_backward_graph_matches_golden(name):
 def test_every_owned_weight_is_handed_over_once_and_its_gradient_dropped(name):
     model, opt, gm = rewritten_backward(name)
     nodes = list(gm.graph.nodes)
-    matmuls = [n for n in nodes if n.target is torch.ops.zenflow.stage_matmul.default]
-    transposed = [n for n in nodes if n.target is torch.ops.zenflow.stage_columns.default]
+    ops = torch.ops.zenflow
+    matmuls = [
+        n for n in nodes if n.target in (ops.stage_matmul.default, ops.stage_matmul_lookup.default)
+    ]
+    transposed = [n for n in nodes if n.target is ops.stage_columns.default]
+    lookups = [n for n in nodes if n.target is ops.stage_lookup.default]
     weights = {w.slot: w for w in opt.weights}
-    assert sorted(n.args[-1] for n in matmuls + transposed) == sorted(weights)
-    # Only gradients that are not a single matmul (a conv's, the embeddings', one a sum of a matmul
-    # and a lookup) reach the runtime whole.
-    expected_whole = {"gpt": 2, "conv": 1}.get(name, 0)
-    assert len(transposed) == expected_whole
+    assert sorted(n.args[-1] for n in matmuls + transposed + lookups) == sorted(weights)
+    # Only a gradient that is neither a matmul nor a lookup nor both (a conv's) reaches the
+    # runtime whole; the GPT's position embedding goes as its lookup, the tied token embedding
+    # as a matmul plus its lookup.
+    assert len(transposed) == (name == "conv")
+    assert len(lookups) == (name == "gpt")
+    tied = [n for n in matmuls if n.target is ops.stage_matmul_lookup.default]
+    assert len(tied) == (name == "gpt")
     for stage in matmuls:
-        columns_by_batch, out_grad, slot = stage.args
+        columns_by_batch, out_grad, *lookup, slot = stage.args
         columns, batch = columns_by_batch.meta["val"].shape
         assert (columns, out_grad.meta["val"].shape) == (
             weights[slot].columns,
             (batch, weights[slot].out),
         )
+        if lookup:
+            rows, ids = (node.meta["val"] for node in lookup)
+            assert rows.shape[1] == columns and ids.shape == (rows.shape[0],)
     for stage in transposed:
         columns_by_out, slot = stage.args
         assert tuple(columns_by_out.meta["val"].shape) == (weights[slot].columns, weights[slot].out)
     # The weight gradients that are a matmul are never formed in the graph.
-    matmul_sizes = {weights[n.args[-1]].param.numel() for n in matmuls}
+    # (Not checked for the tied weight: in this tiny GPT its input-gradient matmul has its size.)
+    matmul_sizes = {weights[n.args[-1]].param.numel() for n in matmuls if n not in tied}
     products = [n.meta["val"].numel() for n in nodes if n.target is torch.ops.aten.mm.default]
     assert not matmul_sizes & set(products)
     returned = gm.graph.output_node().args[0]

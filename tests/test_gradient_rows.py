@@ -107,3 +107,34 @@ def test_tiled_gather_refuses_an_index_out_of_range_and_writes_nothing():
     with pytest.raises(IndexError, match="out of range for 100 columns"):
         gather_rows(columns_by_out, torch.tensor([3, 100]), out=out)
     assert not out.any()
+
+
+@pytest.mark.parametrize("accumulate_on_device", [False, True])
+@pytest.mark.parametrize("batch", [2, 32])  # a small batch is not kept as factors with a lookup
+def test_a_tied_tables_lookup_gradient_is_added_into_its_columns(batch, accumulate_on_device):
+    g = torch.Generator().manual_seed(1)
+    w = split_weight(accumulate_on_device)
+    x, dy = torch.randn(batch, COLUMNS, generator=g), torch.randn(batch, OUT, generator=g)
+    ids = torch.randint(0, OUT, (9,), generator=g)  # repeats: their gradients add up
+    rows = torch.randn(9, COLUMNS, generator=g)
+    w.stage_matmul(x.t(), dy, (rows, ids))
+    w.reduce_staged()
+    grad_t = (x.t() @ dy).index_add(1, ids, rows.t())
+    assert not w.factor_parts
+    assert_close(w.selected_rows(), grad_t[w.order[: w.k]], rtol=1e-5, atol=1e-5)
+    assert_close(w.unselected_rows(), grad_t[w.order[w.k :]], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("accumulate_on_device", [False, True])
+def test_a_tables_lookup_gradient_alone_is_its_rows_in_their_columns(accumulate_on_device):
+    g = torch.Generator().manual_seed(2)
+    w = split_weight(accumulate_on_device)
+    for _ in range(2):  # the second step reuses the first one's host block: it must start at 0
+        ids = torch.randint(0, OUT, (9,), generator=g)
+        rows = torch.randn(9, COLUMNS, generator=g)
+        w.stage_lookup(rows, ids)
+        w.reduce_staged()
+        grad_t = torch.zeros(COLUMNS, OUT).index_add(1, ids, rows.t())
+        assert_close(w.selected_rows(), grad_t[w.order[: w.k]], rtol=1e-5, atol=1e-5)
+        assert_close(w.unselected_rows(), grad_t[w.order[w.k :]], rtol=1e-5, atol=1e-5)
+        w.discard_staged()

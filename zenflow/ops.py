@@ -27,6 +27,44 @@ def _(columns_by_batch: torch.Tensor, out_grad: torch.Tensor, slot: int) -> None
     return None
 
 
+@torch.library.custom_op("zenflow::stage_matmul_lookup", mutates_args=())
+def stage_matmul_lookup(
+    columns_by_batch: torch.Tensor,
+    out_grad: torch.Tensor,
+    lookup_rows: torch.Tensor,
+    lookup_ids: torch.Tensor,
+    slot: int,
+) -> None:
+    """Hand over the gradient of a weight that is both a matmul operand and an embedding table
+    (a tied LM head): ``G.T == columns_by_batch @ out_grad`` plus, for each looked-up token
+    ``t``, ``lookup_rows[t]`` (``[tokens, columns]``) added into column ``lookup_ids[t]`` of
+    ``G.T``."""
+    registry.owner(slot).stage_matmul(columns_by_batch, out_grad, (lookup_rows, lookup_ids))
+
+
+@stage_matmul_lookup.register_fake
+def _(
+    columns_by_batch: torch.Tensor,
+    out_grad: torch.Tensor,
+    lookup_rows: torch.Tensor,
+    lookup_ids: torch.Tensor,
+    slot: int,
+) -> None:
+    return None
+
+
+@torch.library.custom_op("zenflow::stage_lookup", mutates_args=())
+def stage_lookup(lookup_rows: torch.Tensor, lookup_ids: torch.Tensor, slot: int) -> None:
+    """Hand over an embedding table's gradient: zero but for each looked-up token ``t``,
+    ``lookup_rows[t]`` (``[tokens, columns]``) added into column ``lookup_ids[t]`` of ``G.T``."""
+    registry.owner(slot).stage_lookup(lookup_rows, lookup_ids)
+
+
+@stage_lookup.register_fake
+def _(lookup_rows: torch.Tensor, lookup_ids: torch.Tensor, slot: int) -> None:
+    return None
+
+
 @torch.library.custom_op("zenflow::stage_columns", mutates_args=())
 def stage_columns(columns_by_out: torch.Tensor, slot: int) -> None:
     """Hand the weight's gradient to the runtime as ``G.T`` (``[columns, out]``, row ``j`` is
@@ -40,4 +78,6 @@ def _(columns_by_out: torch.Tensor, slot: int) -> None:
 
 
 torch.fx.node.has_side_effect(torch.ops.zenflow.stage_matmul.default)
+torch.fx.node.has_side_effect(torch.ops.zenflow.stage_matmul_lookup.default)
+torch.fx.node.has_side_effect(torch.ops.zenflow.stage_lookup.default)
 torch.fx.node.has_side_effect(torch.ops.zenflow.stage_columns.default)

@@ -13,16 +13,26 @@ reselection needs no recompile::
                                             zenflow.stage_matmul(x_t, dy, slot)
     return (mm_2, ...)                      return (None, ...)
 
-Any other gradient (an embedding's, a sum of a matmul and a lookup for a tied weight) is handed
-over as ``G.T`` for the runtime to gather its rows from, written in G.T's layout where that is
-cheap (an embedding's lookup gradient is added into G.T's columns) and a view otherwise::
+An embedding table's gradient goes over as its looked-up rows (``stage_lookup``), and a tied
+table's (an LM head that is also the embedding) as its matmul's factors plus those rows
+(``stage_matmul_lookup``): the runtime adds each row into its column of G.T instead of
+transposing a dense ``[vocab, width]`` gradient. The lookup is recognized as traced
+(``embedding_dense_backward``) or as Inductor's decompositions leave it (a masked accumulate
+into zeros; a masked-out token gets a zero row)::
 
-    t_7 = aten.permute(mm_3, [1, 0])        rows = aten.reshape(dx, [-1, width])
-    lookup = aten.embedding_dense_backward( ids = aten.reshape(tokens, [-1])
-        dx, tokens, vocab, -1, False)       rows_t = aten.permute(rows, [1, 0])
-    add_1 = aten.add(t_7, lookup)           g_t = aten.index_add(mm_3, 1, ids, rows_t)
-                                            zenflow.stage_columns(g_t, slot)
+    t_7 = aten.permute(mm_3, [1, 0])        x_t = aten.permute(view_12, [1, 0])
+    lookup = aten.embedding_dense_backward( rows = aten.reshape(dx, [-1, width])
+        dx, tokens, vocab, -1, False)       ids = aten.reshape(tokens, [-1])
+    add_1 = aten.add(t_7, lookup)           zenflow.stage_matmul_lookup(x_t, dlogits, rows,
+                                                                        ids, slot)
     return (add_1, ...)                     return (None, ...)
+
+Any other gradient (a conv's) goes over as ``G.T`` (``stage_columns``) for the runtime to gather
+its rows from: a view, or for a sum the sum of its terms' transposes.
+
+Each op goes right after the gradient it replaces, where the original computed it: its inputs
+can be freed as early as before, and on a GPU the copy to the host starts while the rest of
+backward runs.
 """
 
 import torch
@@ -65,47 +75,69 @@ def _transposed_operands(graph: torch.fx.Graph, grad: torch.fx.Node):
 
 
 def _transposed(graph: torch.fx.Graph, grad: torch.fx.Node) -> torch.fx.Node:
-    """G.T, written in its own layout where that is cheap: the graph's own transpose where G is
-    one; an embedding lookup's gradient as the looked-up rows' gradients added into G.T's
-    columns (``index_add``) rather than a dense ``[num, width]`` gradient transposed; a sum
-    nothing else reads as the sum of its terms' transposes (a term that is a transposed matmul
-    is then used as computed); else a view."""
+    """G.T: the graph's own transpose where G is one; for a sum nothing else reads, the sum of
+    its terms' transposes (a term that is a transposed matmul is then used as computed, and the
+    compiler writes the sum in G.T's layout); else a view."""
     if _is_transpose(grad):
         return grad.args[0]
-    if _is_lookup(grad):
-        rows, width = grad.args[0], grad.meta["val"].shape[1]
-        zeros = call(graph, aten.new_zeros.default, rows, [width, grad.args[2]])
-        return _add_lookup_transposed(graph, zeros, grad)
-    if not _is_plain_sum(grad):
-        return call(graph, aten.permute.default, grad, [1, 0])
-    lookups = [term for term in grad.args if _is_lookup(term)]
-    others = [_transposed(graph, term) for term in grad.args if not _is_lookup(term)]
-    if not others:
-        return call(graph, aten.add.Tensor, *(_transposed(graph, term) for term in lookups))
-    total = others[0] if len(others) == 1 else call(graph, aten.add.Tensor, *others)
-    for lookup in lookups:
-        total = _add_lookup_transposed(graph, total, lookup)
-    return total
+    if _is_plain_sum(grad):
+        return call(graph, aten.add.Tensor, *(_transposed(graph, term) for term in grad.args))
+    return call(graph, aten.permute.default, grad, [1, 0])
 
 
 def _is_lookup(node: torch.fx.Node) -> bool:
-    """An embedding's gradient without padding index or frequency scaling."""
-    if node.target is not aten.embedding_dense_backward.default:
+    """An embedding table's gradient: ``aten.embedding_dense_backward`` as traced (without
+    frequency scaling), or the masked accumulate into zeros Inductor's decompositions make of
+    it."""
+    if node.target is aten.embedding_dense_backward.default:
+        return not node.args[4]  # scale_grad_by_freq
+    if node.target is not aten._unsafe_masked_index_put_accumulate.default:
         return False
-    _, _, _, padding_idx, scale_grad_by_freq = node.args
-    return padding_idx == -1 and not scale_grad_by_freq
+    base, _, indices, values = node.args
+    return (
+        isinstance(base, torch.fx.Node)
+        and base.target is aten.full.default
+        and base.args[1] == 0
+        and len(indices) == 1
+        and node.meta["val"].dim() == 2
+        and values.meta["val"].dim() == indices[0].meta["val"].dim() + 1
+    )
 
 
-def _add_lookup_transposed(
-    graph: torch.fx.Graph, columns_by_out: torch.fx.Node, lookup: torch.fx.Node
-) -> torch.fx.Node:
-    """``columns_by_out + lookup.T``: each looked-up row's gradient added into its column."""
-    rows, indices = lookup.args[0], lookup.args[1]
+def _lookup_rows(graph: torch.fx.Graph, lookup: torch.fx.Node) -> tuple[torch.fx.Node, ...]:
+    """An embedding gradient (``_is_lookup``) as ``(rows, ids)``: row ``t`` is the gradient of
+    table row ``ids[t]``; a masked-out token (the padding index) has a zero row and id 0."""
     width = lookup.meta["val"].shape[1]
-    flat_rows = call(graph, aten.reshape.default, rows, [-1, width])
-    flat_indices = call(graph, aten.reshape.default, indices, [-1])
-    by_width = call(graph, aten.permute.default, flat_rows, [1, 0])
-    return call(graph, aten.index_add.default, columns_by_out, 1, flat_indices, by_width)
+    if lookup.target is aten.embedding_dense_backward.default:
+        values, ids, _, padding_idx, _ = lookup.args
+        mask = None if padding_idx == -1 else call(graph, aten.ne.Scalar, ids, padding_idx)
+    else:
+        _, mask, (ids,), values = lookup.args
+    rows = call(graph, aten.reshape.default, values, [-1, width])
+    ids = call(graph, aten.reshape.default, ids, [-1])
+    if mask is None:
+        return rows, ids
+    keep = call(graph, aten.reshape.default, mask, [-1])
+    keep_rows = call(graph, aten.unsqueeze.default, keep, 1)
+    return (
+        call(graph, aten.mul.Tensor, rows, keep_rows),
+        call(graph, aten.mul.Tensor, ids, keep),
+    )
+
+
+def _matmul_plus_lookup(graph: torch.fx.Graph, grad: torch.fx.Node):
+    """For a weight that is both a matmul operand and an embedding table (a tied LM head), G =
+    matmul + lookup: ``(a, b, rows, ids)`` with ``G.T == a @ b`` plus each looked-up row's
+    gradient ``rows[t]`` in column ``ids[t]``; else None."""
+    if not (_is_plain_sum(grad) and len(grad.args) == 2):
+        return None
+    matmul, lookup = grad.args if _is_lookup(grad.args[1]) else grad.args[::-1]
+    if not _is_lookup(lookup):
+        return None
+    operands = _transposed_operands(graph, matmul)
+    if operands is None:
+        return None
+    return (*operands, *_lookup_rows(graph, lookup))
 
 
 def _is_plain_sum(node: torch.fx.Node) -> bool:
@@ -126,7 +158,7 @@ def split_columns(graph: torch.fx.Graph, sites: list[GradSite]) -> None:
     for site in sites:
         grad = site.grad
         value = grad.meta["val"]
-        with graph.inserting_before(graph.output_node()):
+        with graph.inserting_before(grad.next):
             if value.dim() > 2:
                 if not value.is_contiguous():
                     grad = call(graph, aten.clone.default, grad)
@@ -135,8 +167,15 @@ def split_columns(graph: torch.fx.Graph, sites: list[GradSite]) -> None:
                     out = call(graph, aten.sym_size.int, grad, 0)
                 grad = call(graph, aten.view.default, grad, [out, -1])
             operands = _transposed_operands(graph, grad)
+            lookup = operands is None and _is_lookup(grad)
+            tied = None if operands or lookup else _matmul_plus_lookup(graph, grad)
             if operands is not None:
                 call(graph, torch.ops.zenflow.stage_matmul.default, *operands, site.slot)
+            elif lookup:
+                rows = _lookup_rows(graph, grad)
+                call(graph, torch.ops.zenflow.stage_lookup.default, *rows, site.slot)
+            elif tied is not None:
+                call(graph, torch.ops.zenflow.stage_matmul_lookup.default, *tied, site.slot)
             else:
                 call(
                     graph,

@@ -94,3 +94,18 @@ def matmul_rows(
     else:
         gathered = a.index_select(0, index)
     return torch.mm(gathered, b, out=out)
+
+
+def with_lookup_added(rows_in_order, lookup_rows, lookup_ids, index, out=None):
+    """``rows_in_order(out)`` (G.T's rows at the columns ``index``) plus a lookup's gradient:
+    ``lookup_rows[t]`` (``[tokens, columns]``) added into column ``lookup_ids[t]``."""
+    rows = rows_in_order(out=out)
+    by_column = lookup_rows.index_select(1, index.to(lookup_rows.device)).t()
+    return rows.index_add_(1, lookup_ids.to(rows.device), by_column.to(rows.dtype))
+
+
+def zero_rows(like: torch.Tensor, index: torch.Tensor, width: int, out=None) -> torch.Tensor:
+    """Zero rows for the columns ``index`` (``like``'s dtype and device), into ``out`` when given."""
+    if out is None:
+        return like.new_zeros(index.numel(), width)
+    return out.zero_()

@@ -36,7 +36,13 @@ import torch
 from zenflow.columns import column_count, column_major, column_rows, is_column_major
 from zenflow.runtime import registry
 from zenflow.runtime.comm import DataParallel
-from zenflow.runtime.gradient_rows import factors_pay, gather_rows, matmul_rows
+from zenflow.runtime.gradient_rows import (
+    factors_pay,
+    gather_rows,
+    matmul_rows,
+    with_lookup_added,
+    zero_rows,
+)
 from zenflow.runtime.streams import copy_stream
 
 
@@ -128,20 +134,38 @@ class SplitWeight:
 
     # The runtime side of zenflow.ops: called from compiled backward graphs (or eagerly).
 
-    def stage_matmul(self, columns_by_batch: torch.Tensor, out_grad: torch.Tensor) -> None:
+    def stage_matmul(
+        self,
+        columns_by_batch: torch.Tensor,
+        out_grad: torch.Tensor,
+        lookup: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """This micro-batch's gradient as a matmul, ``G.T == columns_by_batch @ out_grad``
-        (``[columns, batch]`` and ``[batch, out]``): kept as the two factors when the batch is
-        much smaller than the weight and the step can multiply them (``stages_on_host``), else
-        its rows are formed here."""
-        if self.factor_parts or (
-            not self.micro_batches
-            and self.stages_on_host
-            and factors_pay(columns_by_batch, out_grad)
+        (``[columns, batch]`` and ``[batch, out]``), plus, for a tied embedding table, a lookup's
+        gradient ``(rows, ids)``: ``rows[t]`` added into column ``ids[t]`` of ``G.T``. A plain
+        matmul's two factors are kept when the batch is much smaller than the weight and the
+        step can multiply them (``stages_on_host``); otherwise the rows are formed here."""
+        if lookup is None and (
+            self.factor_parts
+            or (
+                not self.micro_batches
+                and self.stages_on_host
+                and factors_pay(columns_by_batch, out_grad)
+            )
         ):
             self.stage_factors(columns_by_batch, out_grad)
             return
         rows = functools.partial(matmul_rows, columns_by_batch, out_grad, self.order)
+        if lookup is not None:
+            rows = functools.partial(with_lookup_added, rows, *lookup, self.order)
         self._stage_rows(rows, columns_by_batch.dtype)
+
+    def stage_lookup(self, lookup_rows: torch.Tensor, lookup_ids: torch.Tensor) -> None:
+        """This micro-batch's gradient of an embedding table: ``G.T`` zero but for
+        ``lookup_rows[t]`` (``[tokens, columns]``) added into column ``lookup_ids[t]``."""
+        rows = functools.partial(zero_rows, lookup_rows, self.order, self.out)
+        rows = functools.partial(with_lookup_added, rows, lookup_rows, lookup_ids, self.order)
+        self._stage_rows(rows, lookup_rows.dtype)
 
     def stage_columns(self, columns_by_out: torch.Tensor) -> None:
         """This micro-batch's gradient as ``G.T`` (``[columns, out]``, natural column order, any
