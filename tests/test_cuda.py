@@ -131,6 +131,18 @@ def test_copy_to_host_completes_while_later_compute_still_runs(cuda_fp32):
     assert still_running, "the device-to-host copy waited for compute queued after it"
 
 
+def test_an_owned_source_is_copied_without_a_snapshot(cuda_fp32):
+    source = torch.randn(1024, 1024, device=cuda_fp32)
+    expected = source.cpu()
+    out = torch.empty(1024, 1024, pin_memory=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(cuda_fp32)
+    pending = CopyStream(cuda_fp32).copy_to_host(source, out=out, owned=True)
+    assert torch.cuda.memory_allocated(cuda_fp32) == before  # no device-side clone
+    del source  # the side stream keeps it alive until the copy is done
+    assert torch.equal(pending.wait(), expected)
+
+
 def test_one_copy_stream_per_cuda_device(cuda_fp32):
     stream = copy_stream(cuda_fp32)
     assert stream is copy_stream(cuda_fp32)

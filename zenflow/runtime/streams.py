@@ -1,8 +1,8 @@
 """Device-to-host copies that overlap with compute, behind one interface for CUDA and CPU.
 
 CUDA: ``copy_to_host`` snapshots the source on the current stream (a device-side copy, ordered
-before any later compute that may reuse the source's buffer, as compiled graphs do), then copies
-the snapshot to pinned host memory on a side stream; ``wait()`` synchronizes on that copy's
+before any later compute that may reuse the source's buffer, as compiled graphs do; skipped for
+a source the caller owns), then copies the snapshot to pinned host memory on a side stream; ``wait()`` synchronizes on that copy's
 event, so the transfer overlaps with the rest of the backward pass.
 
 CPU: the device is the host, so the snapshot is the transfer and ``wait()`` has nothing to wait
@@ -36,12 +36,16 @@ class CopyStream:
         self.device = torch.device(device)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
-    def copy_to_host(self, source: torch.Tensor, out: torch.Tensor | None = None) -> PendingCopy:
+    def copy_to_host(
+        self, source: torch.Tensor, out: torch.Tensor | None = None, owned: bool = False
+    ) -> PendingCopy:
+        """``owned``: the caller hands ``source`` over (it made it, and nothing will write it
+        again), so no snapshot is taken; the copy keeps it alive until done."""
         if self._stream is None:
             if out is None:
                 return PendingCopy(source.to("cpu", copy=True))
             return PendingCopy(out.copy_(source))
-        snapshot = source.clone()
+        snapshot = source if owned else source.clone()
         host = out if out is not None else torch.empty_like(source, device="cpu", pin_memory=True)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
