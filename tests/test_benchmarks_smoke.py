@@ -35,3 +35,11 @@ def test_bench_compile_overhead_quick():
     out = _run("bench_compile_overhead.py")
     assert "## backward" in out and "ratio" in out
     assert "step kind" in out and "select (reselection)" in out
+
+
+def test_bench_demo_gap_quick():
+    out = _run("bench_demo_gap.py")
+    assert "of the squared gradient norm" in out
+    rows = {line[:40].strip(): line.split()[-1] for line in out.splitlines() if "%" in line[40:]}
+    assert rows["AdamW"] == "+0.0%"
+    assert {"AdamW, parameters 1 step(s) stale", "zenflow, the demo's settings"} <= set(rows)
