@@ -203,10 +203,10 @@ class SplitWeight:
 
         Copies: the caller may reuse ``rows``' storage as soon as this returns, unless it hands
         them over (``owned``: formed here, for this alone), which spares the device-side
-        snapshot before an asynchronous copy to the host. With one rank
-        the unselected rows start for the host at once, overlapping with the rest of the
-        backward pass. With several, ZeRO-2 reduce-scatters them here and keeps only this
-        rank's chunk; ZeRO-1 keeps them on the device until the step reduces them.
+        snapshot before an asynchronous copy to the host. With one rank the unselected rows
+        start for the host at once, overlapping with the rest of the backward pass. With
+        several, ZeRO-2 reduce-scatters them here and keeps only this rank's chunk; ZeRO-1
+        keeps them on the device until the step reduces them.
         """
         if self.factor_parts:
             _refuse_mixed_staging()
