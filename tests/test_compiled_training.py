@@ -9,6 +9,15 @@ from zenflow.optimizer import ZenFlowAdamW
 from zenflow.reference import ReferenceZenFlowAdamW
 
 TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from scratch: after the suite's other tests, nn.Sequential's forward
+    may be past Dynamo's recompile limit and would silently run eagerly."""
+    torch._dynamo.reset()
+
+
 SCHEDULE = dict(topk_ratio=0.25, update_interval=2, select_interval=4)
 
 
@@ -235,7 +244,6 @@ def test_embedding_gradients_in_every_form_equal_reference(lookup, inner):
             torch.nn.functional.mse_loss(model(tokens).squeeze(-1), targets).backward()
             opt.step()
 
-    torch._dynamo.reset()  # nn.Sequential's forward may be past its recompile limit by now
     oracle_model, model = build_model(), build_model()
     run(oracle_model, ReferenceZenFlowAdamW(oracle_model.parameters(), lr=1e-2, **SCHEDULE))
     opt = ZenFlowAdamW(model.parameters(), lr=1e-2, step_backend=inner, **SCHEDULE)

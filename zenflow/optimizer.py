@@ -242,7 +242,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             for v in self.vectors:
                 if v.param.grad is not None:
                     self.comm.all_reduce_mean_(v.param.grad)
-                    total += v.param.grad.double().square().sum().cpu()
+                    total += torch.linalg.vector_norm(v.param.grad, dtype=torch.float64).cpu() ** 2
             self._norm_sq = total.item()
         return self._norm_sq
 
@@ -370,8 +370,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _auto_window_full(self, weights: list[SplitWeight], coefficient: float) -> bool:
         """update_interval "auto": this step's selected energy against the energy of the
         accumulated unselected sum (its squared norm, summed over ranks)."""
+        # Summed in fp64 without an fp64 copy of the accumulator (the model's size, twice).
         accumulated = torch.tensor(
-            [float(w.accumulator.double().square().sum()) for w in weights], dtype=torch.float64
+            [
+                float(torch.linalg.vector_norm(w.accumulator, dtype=torch.float64)) ** 2
+                for w in weights
+            ],
+            dtype=torch.float64,
         )
         self.comm.all_reduce_sum_(accumulated)
         energies = {}
