@@ -22,11 +22,6 @@ def stage_matmul(columns_by_batch: torch.Tensor, out_grad: torch.Tensor, slot: i
     registry.owner(slot).stage_matmul(columns_by_batch, out_grad)
 
 
-@stage_matmul.register_fake
-def _(columns_by_batch: torch.Tensor, out_grad: torch.Tensor, slot: int) -> None:
-    return None
-
-
 @torch.library.custom_op("zenflow::stage_matmul_lookup", mutates_args=())
 def stage_matmul_lookup(
     columns_by_batch: torch.Tensor,
@@ -42,27 +37,11 @@ def stage_matmul_lookup(
     registry.owner(slot).stage_matmul(columns_by_batch, out_grad, (lookup_rows, lookup_ids))
 
 
-@stage_matmul_lookup.register_fake
-def _(
-    columns_by_batch: torch.Tensor,
-    out_grad: torch.Tensor,
-    lookup_rows: torch.Tensor,
-    lookup_ids: torch.Tensor,
-    slot: int,
-) -> None:
-    return None
-
-
 @torch.library.custom_op("zenflow::stage_lookup", mutates_args=())
 def stage_lookup(lookup_rows: torch.Tensor, lookup_ids: torch.Tensor, slot: int) -> None:
     """Hand over an embedding table's gradient: zero but for each looked-up token ``t``,
     ``lookup_rows[t]`` (``[tokens, columns]``) added into column ``lookup_ids[t]`` of ``G.T``."""
     registry.owner(slot).stage_lookup(lookup_rows, lookup_ids)
-
-
-@stage_lookup.register_fake
-def _(lookup_rows: torch.Tensor, lookup_ids: torch.Tensor, slot: int) -> None:
-    return None
 
 
 @torch.library.custom_op("zenflow::stage_columns", mutates_args=())
@@ -72,10 +51,13 @@ def stage_columns(columns_by_out: torch.Tensor, slot: int) -> None:
     registry.owner(slot).stage_columns(columns_by_out)
 
 
-@stage_columns.register_fake
-def _(columns_by_out: torch.Tensor, slot: int) -> None:
+def _hands_over_only(*args) -> None:
+    """The ops' fake kernel: they return nothing; their effect is on the runtime."""
     return None
 
+
+for _op in (stage_matmul, stage_matmul_lookup, stage_lookup, stage_columns):
+    _op.register_fake(_hands_over_only)
 
 torch.fx.node.has_side_effect(torch.ops.zenflow.stage_matmul.default)
 torch.fx.node.has_side_effect(torch.ops.zenflow.stage_matmul_lookup.default)
