@@ -93,7 +93,7 @@ def _is_lookup(node: torch.fx.Node) -> bool:
         return not node.args[4]  # scale_grad_by_freq
     if node.target is not aten._unsafe_masked_index_put_accumulate.default:
         return False
-    base, _, indices, values = node.args
+    base, mask, indices, values = node.args
     return (
         isinstance(base, torch.fx.Node)
         and base.target is aten.full.default
@@ -101,6 +101,7 @@ def _is_lookup(node: torch.fx.Node) -> bool:
         and len(indices) == 1
         and node.meta["val"].dim() == 2
         and values.meta["val"].dim() == indices[0].meta["val"].dim() + 1
+        and mask.meta["val"].numel() == indices[0].meta["val"].numel()
     )
 
 
