@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from zenflow.runtime import split_weight as split_weight_module
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.gradient_rows import FACTOR_RATIO, TILED_GATHER_MIN_ELEMENTS, gather_rows
 from zenflow.runtime.split_weight import SplitWeight
@@ -55,16 +56,28 @@ def test_rows_scores_and_norm_are_the_gradients(form, batch, accumulate_on_devic
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_one_process_on_the_cpu_forms_the_rows_in_the_host_block(form):
-    """Written where they stay: the staged unselected rows are the reusable host block's rows,
-    with no copy in between, and the block is the same one from step to step."""
+def test_one_process_on_the_cpu_forms_the_rows_in_the_host_block(form, monkeypatch):
+    """Written where they stay: the rows are formed with the reusable host block as their output
+    (no tensor of the gradient's size in between, no copy), the staged unselected rows are that
+    block's, and the block is the same one from step to step."""
+    outputs = []
+    for name in ("matmul_rows", "gather_rows"):
+        formed = getattr(split_weight_module, name)
+
+        def recording(*args, formed=formed, out=None):
+            outputs.append(out)
+            return formed(*args, out=out)
+
+        monkeypatch.setattr(split_weight_module, name, recording)
     g = torch.Generator().manual_seed(0)
     w = split_weight(accumulate_on_device=False)
     blocks = set()
     for _ in range(3):
         x, dy = torch.randn(16, COLUMNS, generator=g), torch.randn(16, OUT, generator=g)
+        outputs.clear()
         hand_over(w, form, x, dy)
         w.reduce_staged()
+        assert [out.data_ptr() for out in outputs] == [w._stage_block.data_ptr()]
         assert w.host_stage.data_ptr() == w._stage_block[w.k_local :].data_ptr()
         assert w.staged_bytes == (COLUMNS - len(SELECTED)) * OUT * 4
         blocks.add(w._stage_block.data_ptr())
