@@ -187,7 +187,7 @@ class SplitWeight:
             _refuse_mixed_staging()
         if self.micro_batches or not self.stages_on_host:
             rows = rows_in_order()
-            self.stage(rows, owned=True)
+            self.stage(rows)
             if not self.distributed and self.micro_batches == 1:
                 self._scores = _squared_row_norms(rows)
             return
@@ -197,16 +197,15 @@ class SplitWeight:
         self.staged_bytes += self.host_stage.numel() * self.host_stage.element_size()
         self.micro_batches = 1
 
-    def stage(self, rows: torch.Tensor, owned: bool = False) -> None:
+    def stage(self, rows: torch.Tensor) -> None:
         """Keep this micro-batch's gradient rows (``[columns, out]`` in ``order``) until the
         step commits them.
 
-        Copies: the caller may reuse ``rows``' storage as soon as this returns, unless it hands
-        them over (``owned``: formed here, for this alone), which spares the device-side
-        snapshot before an asynchronous copy to the host. With one rank the unselected rows
-        start for the host at once, overlapping with the rest of the backward pass. With
-        several, ZeRO-2 reduce-scatters them here and keeps only this rank's chunk; ZeRO-1
-        keeps them on the device until the step reduces them.
+        The caller hands ``rows`` over (they were formed for this alone; nothing writes them
+        again), so an asynchronous copy to the host needs no device-side snapshot of them.
+        With one rank the unselected rows start for the host at once, overlapping with the rest
+        of the backward pass. With several, ZeRO-2 reduce-scatters them here and keeps only
+        this rank's chunk; ZeRO-1 keeps them on the device until the step reduces them.
         """
         if self.factor_parts:
             _refuse_mixed_staging()
@@ -224,7 +223,7 @@ class SplitWeight:
             else:
                 self._stage_block = self._take_block(unselected.dtype)
                 self._host_copy = copy_stream(self.param.device).copy_to_host(
-                    unselected, out=self._stage_block[self.k_local :], owned=owned
+                    unselected, out=self._stage_block[self.k_local :], owned=True
                 )
                 self.staged_bytes += unselected.numel() * rows.element_size()
         else:
