@@ -37,7 +37,9 @@ FORMS = ["matmul", "transposed view", "contiguous"]
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("batch", [8, 32])  # below and above OUT: either operand is gathered
 @pytest.mark.parametrize("micro_batches", [1, 2])
-def test_rows_scores_and_norm_are_the_gradients(form, batch, accumulate_on_device, micro_batches):
+def test_rows_scores_and_norm_are_the_gradients(
+    form, batch, accumulate_on_device, micro_batches, staging
+):
     assert FACTOR_RATIO * batch > min(OUT, COLUMNS)  # rows, not factors
     g = torch.Generator().manual_seed(batch)
     w = split_weight(accumulate_on_device)

@@ -1,5 +1,10 @@
-"""Device-to-host copies: the result is independent of later writes to the source."""
+"""Device-to-host copies: the result is independent of later writes to the source, and on CPU
+a source handed over is copied by the stream's worker thread."""
 
+import multiprocessing
+import threading
+
+import pytest
 import torch
 
 from zenflow.runtime.streams import CopyStream, copy_stream
@@ -16,3 +21,53 @@ def test_copy_to_host_snapshots_the_source():
 
 def test_one_copy_stream_per_device():
     assert copy_stream(torch.device("cpu")) is copy_stream(torch.device("cpu"))
+
+
+def test_an_owned_source_is_copied_by_the_worker_thread_in_order():
+    stream = CopyStream(torch.device("cpu"))
+    out = torch.empty(256, 256)
+    copied_by = []
+
+    class Recording(torch.Tensor):
+        """A source whose copy records which thread read it."""
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            copied_by.append(threading.current_thread().name)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    first = torch.full((256, 256), 1.0).as_subclass(Recording)
+    second = torch.full((256, 256), 2.0).as_subclass(Recording)
+    pending = [stream.copy_to_host(s, out=out, owned=True) for s in (first, second)]
+    assert pending[-1].wait() is out
+    assert torch.equal(out.as_subclass(torch.Tensor), torch.full((256, 256), 2.0))
+    assert copied_by and all(name.startswith("zenflow-copy") for name in copied_by)
+
+
+def test_a_failed_copy_raises_at_wait():
+    stream = CopyStream(torch.device("cpu"))
+    pending = stream.copy_to_host(torch.ones(3, 4), out=torch.empty(4, 3), owned=True)
+    with pytest.raises(RuntimeError, match="size"):
+        pending.wait()
+
+
+def _copy_in_child(queue):
+    out = torch.empty(64, 64)
+    copied = copy_stream(torch.device("cpu")).copy_to_host(torch.ones(64, 64), out, True).wait()
+    queue.put(copied.sum().item())
+
+
+def test_a_forked_child_copies_with_its_own_worker():
+    stream = copy_stream(torch.device("cpu"))
+    stream.copy_to_host(torch.ones(8), out=torch.empty(8), owned=True).wait()  # parent's thread
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_copy_in_child, args=(queue,))
+    child.start()
+    try:
+        assert queue.get(timeout=20) == 64 * 64
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0

@@ -44,7 +44,7 @@ def test_save_mid_window_with_an_overlapped_update_pending_resumes_bitwise():
     assert resumed_opt.stats()["steps"] == 20
 
 
-def test_overlap_on_large_weights_equals_reference():
+def test_overlap_on_large_weights_equals_reference(staging):
     """Big enough that the CPU update is still running while the next window accumulates."""
     torch.manual_seed(0)
     make = lambda: torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64))  # noqa: E731

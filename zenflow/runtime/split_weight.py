@@ -96,6 +96,7 @@ class SplitWeight:
         # rows are the block's unselected part of one, so a reselection reorders them in place.
         self._spare_blocks: list[torch.Tensor] = []
         self._stage_block: torch.Tensor | None = None
+        self._host_copy = None
         self.discard_staged()
         self.slot = registry.register(param, self)
 
@@ -320,12 +321,13 @@ class SplitWeight:
         self.last_grad_block, self._stage_block = self._stage_block, None
 
     def discard_staged(self) -> None:
+        # A copy still writing the block must end before the block is handed out again.
+        self._finish_host_copy()
         if self._stage_block is not None:
             self.release_block(self._stage_block)
             self._stage_block = None
         self.device_stage = None
         self.host_stage = None
-        self._host_copy = None
         self.micro_batches = 0
         self._scores: torch.Tensor | None = None
         self.factor_parts: list[tuple[torch.Tensor, torch.Tensor]] = []

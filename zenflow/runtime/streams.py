@@ -2,17 +2,22 @@
 
 CUDA: ``copy_to_host`` snapshots the source on the current stream (a device-side copy, ordered
 before any later compute that may reuse the source's buffer, as compiled graphs do; skipped for
-a source the caller owns), then copies the snapshot to pinned host memory on a side stream; ``wait()`` synchronizes on that copy's
-event, so the transfer overlaps with the rest of the backward pass.
+a source the caller owns), then copies the snapshot to pinned host memory on a side stream;
+``wait()`` synchronizes on that copy's event, so the transfer overlaps with the rest of the
+backward pass.
 
-CPU: the device is the host, so the snapshot is the transfer and ``wait()`` has nothing to wait
-for; the runtime's code is the same either way, which is what lets it be tested on CPU.
+CPU: the device is the host. A source the caller owns is copied by the stream's worker thread
+(the side stream's twin, one copy after another in the order issued), and ``wait()`` joins that
+copy; any other source is copied at once, which is its snapshot and its transfer in one. The
+runtime's code is the same either way, so its overlap logic runs, and is tested, on CPU.
 
 ``out``: a host buffer to copy into (pinned, for CUDA), reused from step to step: a fresh
 allocation of this size costs more in page faults than the copy itself.
 """
 
 import functools
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -20,14 +25,18 @@ import torch
 class PendingCopy:
     """A host tensor that is complete once ``wait()`` returns."""
 
-    def __init__(self, host: torch.Tensor, event=None):
+    def __init__(self, host: torch.Tensor, event=None, job: Future | None = None):
         self._host = host
         self._event = event
+        self._job = job
 
     def wait(self) -> torch.Tensor:
         if self._event is not None:
             self._event.synchronize()
             self._event = None
+        if self._job is not None:
+            self._job.result()
+            self._job = None
         return self._host
 
 
@@ -35,6 +44,8 @@ class CopyStream:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._worker = None
+        self._worker_pid = None
 
     def copy_to_host(
         self, source: torch.Tensor, out: torch.Tensor | None = None, owned: bool = False
@@ -43,8 +54,10 @@ class CopyStream:
         again), so no snapshot is taken; the copy keeps it alive until done."""
         if self._stream is None:
             if out is None:
-                return PendingCopy(source.to("cpu", copy=True))
-            return PendingCopy(out.copy_(source))
+                return PendingCopy(source if owned else source.to("cpu", copy=True))
+            if not owned:
+                return PendingCopy(out.copy_(source))
+            return PendingCopy(out, job=self._host_worker().submit(out.copy_, source))
         snapshot = source if owned else source.clone()
         host = out if out is not None else torch.empty_like(source, device="cpu", pin_memory=True)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -54,6 +67,14 @@ class CopyStream:
             event = torch.cuda.Event()
             event.record(self._stream)
         return PendingCopy(host, event)
+
+    def _host_worker(self) -> ThreadPoolExecutor:
+        """The CPU twin of the side stream, started on first use; a forked child (a data-loader
+        worker) starts its own, since the parent's thread does not exist there."""
+        if self._worker is None or self._worker_pid != os.getpid():
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenflow-copy")
+            self._worker_pid = os.getpid()
+        return self._worker
 
 
 @functools.cache
