@@ -31,6 +31,7 @@ from zenflow.config import resolve_select_interval, zenflow_block
 from zenflow.runtime import cpu_adam
 from zenflow.runtime.auto_interval import AutoUpdateInterval
 from zenflow.runtime.comm import CollectiveError, DataParallel
+from zenflow.runtime.reshard import reshard
 from zenflow.runtime.selective_step import compiled_selective_adamw
 from zenflow.runtime.split_weight import SplitWeight
 
@@ -682,8 +683,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if saved_at != (self.comm.world_size, self.comm.rank):
             raise ValueError(
                 f"state dict of rank {saved_at[1]} of {saved_at[0]} cannot load into rank "
-                f"{self.comm.rank} of {self.comm.world_size}: resume with the world size it was "
-                "saved at (resharding is not supported yet)"
+                f"{self.comm.rank} of {self.comm.world_size}; at another world size pass every "
+                "saved rank's state dict to load_resharded()"
             )
         shapes = [(w.hi - w.lo, w.out) for w in self.weights]
         saved = [tuple(s["host"][0].shape) for s in state["weights"]]
@@ -740,6 +741,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             accumulators = [w.accumulator for w in group_weights]
             blocks = [None] * len(group_weights)
             self._pending.append(_PendingUpdate(None, group_weights, accumulators, blocks))
+
+    def load_resharded(self, states: list[dict]) -> None:
+        """Restore a run saved at another world size: ``states`` are the state dicts of all its
+        ranks, in rank order. This rank takes its block of every saved rank's host rows (see
+        ``zenflow.runtime.reshard``); the run continues as at the saved world size, up to the
+        order of floating-point sums."""
+        self.load_state_dict(reshard(states, self.comm.world_size, self.comm.rank, self.comm.block))
 
     def stats(self) -> dict:
         selected = sum(w.k * w.out for w in self.weights)

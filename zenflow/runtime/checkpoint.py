@@ -158,14 +158,19 @@ def _matching_file(path: str, digest: str | None) -> str | None:
     return None
 
 
-def load(load_dir: str | os.PathLike, tag: str, rank: int, world_size: int) -> tuple[str, dict]:
-    """This rank's saved state under a committed ``tag``: (its path, the state)."""
+def saved_world_size(load_dir: str | os.PathLike, tag: str) -> int:
+    """How many processes saved the committed ``tag``: as many rank files as it holds."""
+    return _read_marker(load_dir, tag)[1]["world_size"]
+
+
+def _read_marker(load_dir: str | os.PathLike, tag: str) -> tuple[str, dict]:
     directory = os.path.join(load_dir, tag)
     marker = os.path.join(directory, MARKER)
     try:
         with open(marker, encoding="utf-8") as file:
             committed = json.load(file)
-        saved_world_size = committed["world_size"]
+        if not isinstance(committed["world_size"], int):
+            raise TypeError(f"world_size {committed['world_size']!r} is not an int")
     except FileNotFoundError:
         raise RuntimeError(
             f"checkpoint tag {tag!r} ({directory}) is incomplete: it has no {MARKER} marker, "
@@ -175,12 +180,12 @@ def load(load_dir: str | os.PathLike, tag: str, rank: int, world_size: int) -> t
         raise RuntimeError(
             f"checkpoint marker {marker} is corrupted ({error!r}); load another tag"
         ) from error
-    if saved_world_size != world_size:
-        raise RuntimeError(
-            f"checkpoint {directory} was saved by {saved_world_size} processes and this run has "
-            f"{world_size}; resuming at another world size is not supported yet: launch "
-            f"{saved_world_size} processes"
-        )
+    return marker, committed
+
+
+def load(load_dir: str | os.PathLike, tag: str, rank: int) -> tuple[str, dict]:
+    """Rank ``rank``'s saved state under a committed ``tag``: (its path, the state)."""
+    marker, committed = _read_marker(load_dir, tag)
     path = rank_file(load_dir, tag, rank)
     try:
         digest = committed["sha256"][rank]

@@ -411,13 +411,29 @@ class Engine:
                 "load_optimizer_states=False with ZenFlowAdamW: its fp32 master weights are "
                 "optimizer state, so the model cannot resume without it; load them too"
             )
-        path, state = checkpoint.load(load_dir, resolved, _rank(), self.config.world_size)
-        if not isinstance(state, dict) or state.get("format") != _CHECKPOINT_FORMAT:
-            raise RuntimeError(f"{path} is not a {_CHECKPOINT_FORMAT} checkpoint")
+        saved_world_size = checkpoint.saved_world_size(load_dir, resolved)
+        # Every rank saved the same module, scheduler and counters; the optimizer's host state is
+        # each rank's own, and at another world size it is cut anew from all of them.
+        mine = _rank() % saved_world_size
+        reshard = saved_world_size != self.config.world_size and isinstance(
+            self.optimizer, ZenFlowAdamW
+        )
+        if reshard:
+            notice(
+                f"resharding checkpoint {resolved!r}: saved by {saved_world_size} processes, "
+                f"loaded by {self.config.world_size}"
+            )
+            saved = [_load_state(load_dir, resolved, r) for r in range(saved_world_size)]
+            path, state = saved[mine]
+            optimizers = [rank_state["optimizer"] for _, rank_state in saved]
+        else:
+            path, state = _load_state(load_dir, resolved, mine)
         self.zero_grad()
         # The optimizer first: loading it applies this engine's own pending updates to the
         # parameters, which the module's saved values then replace.
-        if load_optimizer_states:
+        if reshard:
+            self.optimizer.load_resharded(optimizers)
+        elif load_optimizer_states:
             self.optimizer.load_state_dict(state["optimizer"])
         self.module.load_state_dict(state["module"])
         if load_lr_scheduler_states and self.lr_scheduler is not None:
@@ -542,6 +558,13 @@ def _steps_per_epoch(loader: torch.utils.data.DataLoader, accumulation: int) -> 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _load_state(load_dir, tag: str, rank: int) -> tuple[str, dict]:
+    path, state = checkpoint.load(load_dir, tag, rank)
+    if not isinstance(state, dict) or state.get("format") != _CHECKPOINT_FORMAT:
+        raise RuntimeError(f"{path} is not a {_CHECKPOINT_FORMAT} checkpoint")
+    return path, state
 
 
 def _rng_state() -> dict:
