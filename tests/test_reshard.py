@@ -93,9 +93,7 @@ def launched(world_size, stage, stop, tmp_path, load_dir=None, save_dir=None):
     return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(world_size)]
 
 
-@pytest.mark.parametrize(
-    "saved_by, loaded_by, stage", [(2, 1, 2), (2, 1, 1), (1, 2, 2), (2, 3, 2)]
-)
+@pytest.mark.parametrize("saved_by, loaded_by, stage", [(2, 1, 2), (2, 1, 1), (1, 2, 2), (2, 3, 2)])
 def test_a_checkpoint_resumes_at_another_world_size(tmp_path, saved_by, loaded_by, stage):
     straight = run(1, 0, stage, STEPS)
     launched(saved_by, stage, SAVED_AT, tmp_path, save_dir=str(tmp_path / "ckpt"))
