@@ -43,6 +43,16 @@ class DataParallel:
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if distributed else 1
         self.rank = dist.get_rank(group) if distributed else 0
+        # NCCL moves device tensors only: host tensors (scores, energies, host rows) cross
+        # through the current GPU. gloo takes both.
+        self._host_tensors_via = None
+        if distributed and "gloo" not in str(dist.get_backend(group)):
+            self._host_tensors_via = torch.device("cuda", torch.cuda.current_device())
+
+    def _collective_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._host_tensors_via is not None and tensor.device.type == "cpu":
+            return tensor.to(self._host_tensors_via)
+        return tensor
 
     def block(self, columns: int, rank: int | None = None) -> tuple[int, int]:
         """The natural column range ``[lo, hi)`` whose host state ``rank`` owns."""
@@ -51,13 +61,16 @@ class DataParallel:
 
     def all_reduce_mean_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            run_collective("all_reduce", self.world_size, dist.all_reduce, tensor, group=self.group)
+            self.all_reduce_sum_(tensor)
             tensor /= self.world_size
         return tensor
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            run_collective("all_reduce", self.world_size, dist.all_reduce, tensor, group=self.group)
+            work = self._collective_tensor(tensor)
+            run_collective("all_reduce", self.world_size, dist.all_reduce, work, group=self.group)
+            if work is not tensor:
+                tensor.copy_(work)
         return tensor
 
     def _padded(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -83,25 +96,26 @@ class DataParallel:
         if self.zero_stage == 1:
             return self.all_reduce_mean_(rows.clone())[mine]
         width = max(counts)
-        out = rows.new_empty(width, *rows.shape[1:])
+        padded = self._collective_tensor(self._padded(rows, counts))
+        out = padded.new_empty(width, *rows.shape[1:])
         run_collective(
             "reduce_scatter",
             self.world_size,
             dist.reduce_scatter_tensor,
             out,
-            self._padded(rows, counts),
+            padded,
             group=self.group,
         )
-        return (out[: counts[self.rank]] / self.world_size).contiguous()
+        return (out[: counts[self.rank]] / self.world_size).to(rows.device).contiguous()
 
     def all_gather_rows(self, mine: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Every rank's chunk, concatenated in rank order."""
         if self.world_size == 1:
             return mine
         width = max(counts)
-        local = mine.new_zeros(width, *mine.shape[1:])
+        local = self._collective_tensor(mine.new_zeros(width, *mine.shape[1:]))
         local[: counts[self.rank]] = mine
-        gathered = mine.new_empty(self.world_size * width, *mine.shape[1:])
+        gathered = local.new_empty(self.world_size * width, *mine.shape[1:])
         run_collective(
             "all_gather",
             self.world_size,
@@ -110,4 +124,5 @@ class DataParallel:
             local,
             group=self.group,
         )
-        return torch.cat([gathered[r * width : r * width + c] for r, c in enumerate(counts)])
+        chunks = [gathered[r * width : r * width + c] for r, c in enumerate(counts)]
+        return torch.cat(chunks).to(mine.device)

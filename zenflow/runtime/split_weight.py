@@ -604,14 +604,16 @@ class SplitWeight:
         return values.numel() * values.element_size()
 
     def write_unselected(self) -> int:
-        """Send this rank's unselected host rows, gathered from every rank, into the parameter;
-        returns the bytes received by the device."""
-        mine = self.host_master[self.k_local :].to(self.param.dtype)
-        rows = self.comm.all_gather_rows(mine, self.unselected_counts)
-        # Synchronous: with fp32 weights ``rows`` may be the host master itself, which the next
+        """Write every rank's unselected host rows into the parameter; returns the bytes this
+        rank sent from its host to its device."""
+        # Each rank sends its own rows to its device and the ranks gather them there (over
+        # NVLink, with NCCL), rather than gathering on the host and each sending them all.
+        # Synchronous: with fp32 weights ``mine`` may be the host master itself, which the next
         # (overlapped) CPU update starts rewriting as soon as this returns.
-        self._param_rows().index_copy_(0, self.order[self.k :], rows.to(self.param.device))
-        return rows.numel() * rows.element_size()
+        mine = self.host_master[self.k_local :].to(self.param.dtype).to(self.param.device)
+        rows = self.comm.all_gather_rows(mine, self.unselected_counts)
+        self._param_rows().index_copy_(0, self.order[self.k :], rows)
+        return mine.numel() * mine.element_size()
 
     def load(self, order, local_orders: list, k: int, k_locals: list, host: list, device: list):
         """Adopt saved state (as ``ZenFlowAdamW.state_dict`` lists it)."""
