@@ -11,7 +11,8 @@ validation loss and its gap to plain AdamW:
   copy runs ahead of the model's): how sensitive this fine-tuning is to staleness alone;
 * ZenFlowAdamW with the demo's settings (examples/ds_config_zenflow.json: topk 0.1,
   update_interval 2, select_interval 8, no overlap) and with the step benchmark's (update_interval
-  4, overlap_step), and the steps between.
+  4, overlap_step), the steps between, and update_interval "auto", with the CPU updates each
+  made.
 
 It also prints how concentrated the gradient is, the premise of ZenFlow: the share of each
 weight's squared gradient norm held by its top 10 % of columns (mean over the weights, on
@@ -43,6 +44,7 @@ VARIANTS = {
     "zenflow, update 4, no overlap": {**BENCH, "overlap_step": False},
     "zenflow, update 4, overlap": BENCH,
     "zenflow, update 4, overlap, topk 0.2": {**BENCH, "topk_ratio": 0.2},
+    "zenflow, update auto, no overlap": {**BENCH, "update_interval": "auto", "overlap_step": False},
 }
 
 
@@ -103,7 +105,7 @@ def adamw(weights, data, demo_args, steps: int, stale: int = 0) -> tuple[float, 
     return demo.evaluate(model, val_tokens, demo_args), shares
 
 
-def zenflow(weights, data, demo_args, steps: int, settings: dict) -> float:
+def zenflow(weights, data, demo_args, steps: int, settings: dict) -> tuple[float, int]:
     train_tokens, val_tokens = data
     model = _model(weights, demo_args)
     opt = ZenFlowAdamW(
@@ -122,7 +124,7 @@ def zenflow(weights, data, demo_args, steps: int, settings: dict) -> float:
         opt.step()
         opt.zero_grad()
     opt.flush()
-    return demo.evaluate(model, val_tokens, demo_args)
+    return demo.evaluate(model, val_tokens, demo_args), opt.stats()["cpu_updates"]
 
 
 def main() -> None:
@@ -133,27 +135,31 @@ def main() -> None:
     rows = []
     started = time.perf_counter()
     base, shares = adamw(weights, data, demo_args, args.steps)
-    rows.append(("AdamW", base))
+    rows.append(("AdamW", base, None))
     for stale in (1, 2):
         rows.append(
             (
                 f"AdamW, parameters {stale} step(s) stale",
                 adamw(weights, data, demo_args, args.steps, stale)[0],
+                None,
             )
         )
     for name, settings in VARIANTS.items():
-        rows.append((name, zenflow(weights, data, demo_args, args.steps, settings)))
+        rows.append((name, *zenflow(weights, data, demo_args, args.steps, settings)))
     print(
         f"\n{args.steps} fine-tuning steps, batch {demo_args.batch_size}; top 10 % of columns "
         f"hold {sum(shares) / len(shares):.0%} of the squared gradient norm (mean over weights, "
         f"AdamW's first {len(shares)} steps); {time.perf_counter() - started:.0f} s"
     )
-    width = max(len(name) for name, _ in rows)
-    header = f"{'run':<{width}} {'val loss':>9} {'vs AdamW':>9}"
+    width = max(len(name) for name, _, _ in rows)
+    header = f"{'run':<{width}} {'val loss':>9} {'vs AdamW':>9} {'CPU updates':>12}"
     print(header)
     print("-" * len(header))
-    for name, loss in rows:
-        print(f"{name:<{width}} {loss:>9.4f} {100 * (loss / base - 1):>+8.1f}%")
+    for name, loss, updates in rows:
+        print(
+            f"{name:<{width}} {loss:>9.4f} {100 * (loss / base - 1):>+8.1f}% "
+            f"{'' if updates is None else updates:>12}"
+        )
 
 
 if __name__ == "__main__":
