@@ -183,8 +183,11 @@ def _read_marker(load_dir: str | os.PathLike, tag: str) -> tuple[str, dict]:
     return marker, committed
 
 
-def load(load_dir: str | os.PathLike, tag: str, rank: int) -> tuple[str, dict]:
-    """Rank ``rank``'s saved state under a committed ``tag``: (its path, the state)."""
+def load(
+    load_dir: str | os.PathLike, tag: str, rank: int, mmap: bool = False
+) -> tuple[str, dict]:
+    """Rank ``rank``'s saved state under a committed ``tag``: (its path, the state). ``mmap``:
+    tensors are read from the file as they are touched (copy-on-write), not all at once."""
     marker, committed = _read_marker(load_dir, tag)
     path = rank_file(load_dir, tag, rank)
     try:
@@ -208,7 +211,7 @@ def load(load_dir: str | os.PathLike, tag: str, rank: int) -> tuple[str, dict]:
     path = found
     try:
         # Onto the CPU: the engine moves each piece to where its owner keeps it.
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as error:
         raise RuntimeError(
             f"checkpoint file {path} is truncated or corrupted and cannot be loaded ({error}); "

@@ -423,7 +423,10 @@ class Engine:
                 f"resharding checkpoint {resolved!r}: saved by {saved_world_size} processes, "
                 f"loaded by {self.config.world_size}"
             )
-            saved = [_load_state(load_dir, resolved, r) for r in range(saved_world_size)]
+            # Mapped, not read: of every saved rank's file only this rank's columns are touched.
+            saved = [
+                _load_state(load_dir, resolved, r, mmap=True) for r in range(saved_world_size)
+            ]
             path, state = saved[mine]
             optimizers = [rank_state["optimizer"] for _, rank_state in saved]
         else:
@@ -560,8 +563,8 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _load_state(load_dir, tag: str, rank: int) -> tuple[str, dict]:
-    path, state = checkpoint.load(load_dir, tag, rank)
+def _load_state(load_dir, tag: str, rank: int, mmap: bool = False) -> tuple[str, dict]:
+    path, state = checkpoint.load(load_dir, tag, rank, mmap)
     if not isinstance(state, dict) or state.get("format") != _CHECKPOINT_FORMAT:
         raise RuntimeError(f"{path} is not a {_CHECKPOINT_FORMAT} checkpoint")
     return path, state

@@ -12,7 +12,9 @@ column order and cuts them along the new ranks' blocks::
 
 The selection and the device state are kept as saved, so the run continues as it would have at
 the old world size (up to the order of floating-point sums). A window's gradients kept as
-matmul factors (one process, small batches) are multiplied into its sum here.
+matmul factors (one process, small batches) are multiplied into its sum here. The statistics
+counters continue from saved rank 0's. One weight at a time is put in natural order: with the
+saved files memory-mapped, a rank holds its own share and one weight's rows, not every rank's.
 """
 
 from collections.abc import Callable
