@@ -183,9 +183,7 @@ def _read_marker(load_dir: str | os.PathLike, tag: str) -> tuple[str, dict]:
     return marker, committed
 
 
-def load(
-    load_dir: str | os.PathLike, tag: str, rank: int, mmap: bool = False
-) -> tuple[str, dict]:
+def load(load_dir: str | os.PathLike, tag: str, rank: int, mmap: bool = False) -> tuple[str, dict]:
     """Rank ``rank``'s saved state under a committed ``tag``: (its path, the state). ``mmap``:
     tensors are read from the file as they are touched (copy-on-write), not all at once."""
     marker, committed = _read_marker(load_dir, tag)

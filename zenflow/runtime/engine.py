@@ -424,9 +424,7 @@ class Engine:
                 f"loaded by {self.config.world_size}"
             )
             # Mapped, not read: of every saved rank's file only this rank's columns are touched.
-            saved = [
-                _load_state(load_dir, resolved, r, mmap=True) for r in range(saved_world_size)
-            ]
+            saved = [_load_state(load_dir, resolved, r, mmap=True) for r in range(saved_world_size)]
             path, state = saved[mine]
             optimizers = [rank_state["optimizer"] for _, rank_state in saved]
         else:
