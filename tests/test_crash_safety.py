@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 import zenflow
 from tests import dead_rank_worker, engine_worker
+from tests.zero_configs import overlapped_zenflow_zero
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD_TIMEOUT_S = 120
@@ -147,16 +148,7 @@ def test_sigkill_at_random_moments_of_repeated_saves(tmp_path, base):
 # A data-parallel peer that dies or hangs.
 
 
-ZENFLOW = {
-    "stage": 2,
-    "offload_optimizer": {"device": "cpu"},
-    "zenflow": {
-        "topk_ratio": 0.25,
-        "update_interval": 2,
-        "select_interval": 4,
-        "overlap_step": True,
-    },
-}
+ZENFLOW = overlapped_zenflow_zero()
 DEAD_RANK_CASES = [
     ("die", ZENFLOW),
     ("hang", ZENFLOW),

@@ -10,17 +10,9 @@ from torch import nn
 from torch.testing import assert_close
 
 import zenflow
+from tests.zero_configs import overlapped_zenflow_zero
 
-ZENFLOW = {
-    "stage": 2,
-    "offload_optimizer": {"device": "cpu"},
-    "zenflow": {
-        "topk_ratio": 0.25,
-        "update_interval": 2,
-        "select_interval": 4,
-        "overlap_step": True,
-    },
-}
+ZENFLOW = overlapped_zenflow_zero()
 PLAIN = {"stage": 0}
 
 

@@ -10,6 +10,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import zenflow
+from tests.zero_configs import overlapped_zenflow_zero
 from zenflow.runtime.reshard import reshard
 
 STEPS, SAVED_AT, BATCH = 12, 7, 12
@@ -20,18 +21,9 @@ def config(world_size: int, stage: int) -> dict:
         "train_micro_batch_size_per_gpu": BATCH // world_size,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-        "zero_optimization": {
-            "stage": stage,
-            "offload_optimizer": {"device": "cpu"},
-            # Windows close at steps 2 and 6 in the background, 4 and 8 before a reselection:
-            # after step 7 the update of window 6 is pending and window 8 is open.
-            "zenflow": {
-                "topk_ratio": 0.25,
-                "update_interval": 2,
-                "select_interval": 4,
-                "overlap_step": True,
-            },
-        },
+        # Windows close at steps 2 and 6 in the background, 4 and 8 before a reselection:
+        # after step 7 the update of window 6 is pending and window 8 is open.
+        "zero_optimization": overlapped_zenflow_zero(stage),
     }
 
 
