@@ -143,6 +143,40 @@ def test_an_owned_source_is_copied_without_a_snapshot(cuda_fp32):
     assert torch.equal(pending.wait(), expected)
 
 
+def test_copy_to_device_overlaps_work_queued_before_it_and_orders_work_after(cuda_fp32):
+    source = torch.randn(256, 1024).pin_memory()
+    # Work queued before the call: a spin kernel of ~0.5 s or more.
+    torch.cuda._sleep(1_000_000_000)
+    before_done = torch.cuda.Event()
+    before_done.record()
+    on_device, pending = CopyStream(cuda_fp32).copy_to_device(source)
+    assert pending.wait() is source  # the host buffer is free while the spin still runs
+    overlapped = not before_done.query()
+    total = on_device.sum()  # queued on the current stream: waits for the copy on the device
+    assert overlapped, "the host-to-device copy waited for compute queued before it"
+    assert torch.allclose(total.cpu(), source.sum(), rtol=1e-4)
+    assert torch.equal(on_device.cpu(), source)
+
+
+def test_written_columns_leave_from_a_pinned_buffer_not_the_host_master(cuda_fp32):
+    """The next overlapped CPU update rewrites the host master as soon as the write returns:
+    what reaches the bf16 parameter is the master as it was at the call."""
+    param = torch.nn.Parameter(torch.randn(8, 16, device=cuda_fp32).to(torch.bfloat16))
+    w = SplitWeight(param, 0, DataParallel(), pin=True)
+    w.reselect(torch.tensor([1, 5, 9]))
+    for round_value in (3.0, -2.0):
+        w.host_master.fill_(round_value)
+        w.write_unselected()
+        w.host_master.fill_(99.0)  # the next CPU update, before the transfer is done
+        torch.cuda.synchronize()
+        unselected = param.detach().t()[w.order[w.k :]]
+        assert torch.equal(
+            unselected.float().cpu(), torch.full_like(unselected.float().cpu(), round_value)
+        )
+    buffer, _ = w._to_device_buffers["unselected"]
+    assert buffer.is_pinned() and buffer.dtype == torch.bfloat16
+
+
 def test_one_copy_stream_per_cuda_device(cuda_fp32):
     stream = copy_stream(cuda_fp32)
     assert stream is copy_stream(cuda_fp32)

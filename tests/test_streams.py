@@ -71,3 +71,9 @@ def test_a_forked_child_copies_with_its_own_worker():
         if child.is_alive():
             child.kill()
     assert child.exitcode == 0
+
+
+def test_copy_to_device_on_cpu_is_the_source():
+    source = torch.arange(6.0)
+    on_device, pending = CopyStream(torch.device("cpu")).copy_to_device(source)
+    assert on_device is source and pending.wait() is source

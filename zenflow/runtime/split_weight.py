@@ -43,7 +43,7 @@ from zenflow.runtime.gradient_rows import (
     with_lookup_added,
     zero_rows,
 )
-from zenflow.runtime.streams import copy_stream
+from zenflow.runtime.streams import PendingCopy, copy_stream
 
 
 class SplitWeight:
@@ -97,6 +97,8 @@ class SplitWeight:
         self._spare_blocks: list[torch.Tensor] = []
         self._stage_block: torch.Tensor | None = None
         self._host_copy = None
+        # purpose -> (pinned buffer, its transfer to the device in flight), on a GPU.
+        self._to_device_buffers: dict[str, tuple[torch.Tensor, PendingCopy | None]] = {}
         self.discard_staged()
         self.slot = registry.register(param, self)
 
@@ -599,7 +601,7 @@ class SplitWeight:
         """``offload``: copy the selected rows' new values from the host into the parameter;
         returns the bytes that crossed to the device. (Otherwise the device update writes them
         itself: ``selected_destination``.)"""
-        values = self.device_master.to(self.param.device, self.param.dtype)
+        values = self._to_device(self.device_master, "selected")
         self._param_rows().index_copy_(0, self.order[: self.k], values)
         return values.numel() * values.element_size()
 
@@ -608,12 +610,31 @@ class SplitWeight:
         rank sent from its host to its device."""
         # Each rank sends its own rows to its device and the ranks gather them there (over
         # NVLink, with NCCL), rather than gathering on the host and each sending them all.
-        # Synchronous: with fp32 weights ``mine`` may be the host master itself, which the next
-        # (overlapped) CPU update starts rewriting as soon as this returns.
-        mine = self.host_master[self.k_local :].to(self.param.dtype).to(self.param.device)
+        mine = self._to_device(self.host_master[self.k_local :], "unselected")
         rows = self.comm.all_gather_rows(mine, self.unselected_counts)
         self._param_rows().index_copy_(0, self.order[self.k :], rows)
         return mine.numel() * mine.element_size()
+
+    def _to_device(self, rows: torch.Tensor, purpose: str) -> torch.Tensor:
+        """Host ``rows`` in the parameter's dtype, on its device, for work queued on the current
+        stream. On a GPU they go through a pinned buffer kept for ``purpose`` (converted there:
+        the host master itself is rewritten by the next overlapped CPU update as soon as this
+        returns) and the copy stream, so the host thread does not wait for the transfer."""
+        on_host = self.param.device.type == "cpu"
+        if on_host:
+            staged = rows.to(self.param.dtype)  # the device is the host: nothing to keep
+        else:
+            buffer, previous = self._to_device_buffers.get(purpose, (None, None))
+            if previous is not None:
+                previous.wait()  # the last transfer from this buffer (a window or a step ago)
+            if buffer is None or buffer.shape[0] < rows.shape[0]:
+                rows_kept = max(rows.shape[0], self.hi - self.lo)  # k may exceed the block
+                buffer = torch.empty(rows_kept, self.out, dtype=self.param.dtype, pin_memory=True)
+            staged = buffer[: rows.shape[0]].copy_(rows)
+        on_device, pending = copy_stream(self.param.device).copy_to_device(staged)
+        if not on_host:
+            self._to_device_buffers[purpose] = (buffer, pending)
+        return on_device
 
     def load(self, order, local_orders: list, k: int, k_locals: list, host: list, device: list):
         """Adopt saved state (as ``ZenFlowAdamW.state_dict`` lists it)."""

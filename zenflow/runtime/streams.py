@@ -1,4 +1,5 @@
-"""Device-to-host copies that overlap with compute, behind one interface for CUDA and CPU.
+"""Copies between device and host that overlap with compute, behind one interface for CUDA and
+CPU.
 
 CUDA: ``copy_to_host`` snapshots the source on the current stream (a device-side copy, ordered
 before any later compute that may reuse the source's buffer, as compiled graphs do; skipped for
@@ -13,6 +14,10 @@ runtime's code is the same either way, so its overlap logic runs, and is tested,
 
 ``out``: a host buffer to copy into (pinned, for CUDA), reused from step to step: a fresh
 allocation of this size costs more in page faults than the copy itself.
+
+``copy_to_device``: the updated parameters' way back. CUDA: from a pinned host buffer, on the
+side stream, with the current stream made to wait for it on the device; the host buffer is free
+again once the returned copy's ``wait()`` returns. CPU: nothing to copy.
 """
 
 import functools
@@ -23,7 +28,8 @@ import torch
 
 
 class PendingCopy:
-    """A host tensor that is complete once ``wait()`` returns."""
+    """A copy in flight; ``wait()`` returns its host tensor once the copy is done (complete,
+    for a copy to the host; free to write again, for one to the device)."""
 
     def __init__(self, host: torch.Tensor, event=None, job: Future | None = None):
         self._host = host
@@ -67,6 +73,28 @@ class CopyStream:
             event = torch.cuda.Event()
             event.record(self._stream)
         return PendingCopy(host, event)
+
+    def copy_to_device(self, source: torch.Tensor) -> tuple[torch.Tensor, PendingCopy]:
+        """``source`` (host) on the device, for work queued on the current stream from now on,
+        and a ``PendingCopy`` whose ``wait()`` tells when ``source`` may be written again.
+
+        CUDA: ``source`` should be pinned (pageable memory makes the copy synchronous). The copy
+        runs on the side stream, so it overlaps with work queued before the call; the current
+        stream waits for it on the device, the host thread not at all. CPU: ``source`` itself,
+        as the device is the host."""
+        if self._stream is None:
+            return source, PendingCopy(source)
+        current = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._stream):
+            # Allocated on the side stream: a block the current stream's queued work still uses
+            # cannot be handed out for it.
+            device_copy = torch.empty_like(source, device=self.device)
+            device_copy.copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        current.wait_event(event)
+        device_copy.record_stream(current)
+        return device_copy, PendingCopy(source, event)
 
     def _host_worker(self) -> ThreadPoolExecutor:
         """The CPU twin of the side stream, started on first use; a forked child (a data-loader
