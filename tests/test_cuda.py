@@ -146,7 +146,7 @@ def test_an_owned_source_is_copied_without_a_snapshot(cuda_fp32):
 def test_copy_to_device_overlaps_work_queued_before_it_and_orders_work_after(cuda_fp32):
     source = torch.randn(256, 1024).pin_memory()
     stream = CopyStream(cuda_fp32)
-    del stream.copy_to_device(source)[0]  # the side stream's allocator has a block cached now
+    stream.copy_to_device(source)  # freed at once: the side stream's allocator caches a block
     torch.cuda.synchronize()
     # Work queued before the call: a spin kernel of ~0.5 s or more.
     torch.cuda._sleep(1_000_000_000)
