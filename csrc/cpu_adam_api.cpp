@@ -1,15 +1,12 @@
 // C ABI of zenflow's CPU optimizer library, loaded from Python with ctypes (which releases the
 // GIL for the duration of every call). Python mirrors TensorWork and Hyper with ctypes
 // structures; zf_record_sizes lets it check the layouts before the first call.
-#include <pthread.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -28,22 +25,9 @@ using zf::TensorWork;
 // small enough to balance the threads.
 constexpr int64_t kChunk = 1 << 16;
 
-std::mutex g_pool_mu;
-zf::ThreadPool* g_pool = nullptr;  // created on first use; never destroyed at exit (see below)
-int g_num_threads = 1;
-int g_worker_nice = 0;
+zf::LazyPool g_pool(1, 0);  // the AdamW jobs' pool: size and niceness set from Python
 std::atomic<int> g_isa{zf::kAuto};
 std::atomic<int> g_inject_failures{0};
-
-// A forked child has none of the parent's worker threads: it starts a fresh pool on first use.
-// The parent's pool object is deliberately leaked there, as its threads cannot be joined.
-void atfork_prepare() { g_pool_mu.lock(); }
-void atfork_parent() { g_pool_mu.unlock(); }
-void atfork_child() {
-  g_pool = nullptr;
-  g_pool_mu.unlock();
-}
-const int g_atfork_registered = pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
 
 struct Handle {
   std::shared_ptr<zf::Job> job;
@@ -87,41 +71,23 @@ ZF_API void zf_record_sizes(int64_t* tensor_work, int64_t* hyper) {
   *hyper = sizeof(Hyper);
 }
 
-// Waits for every queued job before new settings take effect (a new pool starts on the next
-// submission); settings equal to the current ones change nothing. -1 keeps a setting.
-static void configure_pool(int threads, int nice) {
-  std::lock_guard<std::mutex> lock(g_pool_mu);
-  if (threads < 0) threads = g_num_threads;
-  if (nice < 0) nice = g_worker_nice;
-  if (threads == g_num_threads && nice == g_worker_nice) return;
-  delete g_pool;
-  g_pool = nullptr;
-  g_num_threads = threads;
-  g_worker_nice = nice;
-}
-
+// New settings wait for every queued job (zf::LazyPool::configure).
 ZF_API int zf_set_num_threads(int n) {
   if (n < 1) return -1;
-  configure_pool(n, -1);
+  g_pool.configure(n, -1);
   return 0;
 }
 
-ZF_API int zf_get_num_threads() {
-  std::lock_guard<std::mutex> lock(g_pool_mu);
-  return g_num_threads;
-}
+ZF_API int zf_get_num_threads() { return g_pool.num_threads(); }
 
 // Niceness of the worker threads, 0-19 (Linux; elsewhere accepted and ignored).
 ZF_API int zf_set_worker_nice(int nice) {
   if (nice < 0 || nice > 19) return -1;
-  configure_pool(-1, nice);
+  g_pool.configure(-1, nice);
   return 0;
 }
 
-ZF_API int zf_get_worker_nice() {
-  std::lock_guard<std::mutex> lock(g_pool_mu);
-  return g_worker_nice;
-}
+ZF_API int zf_get_worker_nice() { return g_pool.nice(); }
 
 ZF_API int zf_isa() { return effective_isa(); }
 
@@ -177,11 +143,7 @@ ZF_API int zf_submit(const TensorWork* tensors, int64_t n, const Hyper* hyper, v
           if (fail && i == 0) throw std::runtime_error("injected failure (zf_inject_failure)");
           fn(work[tasks[i].tensor], h, tasks[i].begin, tasks[i].end);
         });
-    if (num_tasks > 0) {
-      std::lock_guard<std::mutex> lock(g_pool_mu);
-      if (!g_pool) g_pool = new zf::ThreadPool(g_num_threads, g_worker_nice);
-      g_pool->submit(job);
-    }
+    if (num_tasks > 0) g_pool.submit(job);
     *handle_out = new Handle{std::move(job)};
     return 0;
   } catch (const std::exception& e) {

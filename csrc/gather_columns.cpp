@@ -3,7 +3,6 @@
 // column-major rows in the runtime's column order. A plain strided copy reads one element per
 // cache line; here the work goes in tiles small enough that every line read or written is used
 // whole while it is in cache, over a pool of full-priority threads the caller waits for.
-#include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -11,7 +10,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <thread>
 
 #include "thread_pool.h"
@@ -25,17 +23,6 @@ namespace {
 constexpr int64_t kTile = 32;
 constexpr int64_t kChunkRows = 4 * kTile;
 
-std::mutex g_pool_mu;
-zf::ThreadPool* g_pool = nullptr;
-
-void atfork_prepare() { g_pool_mu.lock(); }
-void atfork_parent() { g_pool_mu.unlock(); }
-void atfork_child() {
-  g_pool = nullptr;  // the parent's threads do not exist here; its pool is leaked
-  g_pool_mu.unlock();
-}
-const int g_atfork_registered = pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
-
 int usable_cores() {
 #ifdef __linux__
   cpu_set_t set;
@@ -43,6 +30,9 @@ int usable_cores() {
 #endif
   return std::max(1u, std::thread::hardware_concurrency());
 }
+
+// The caller's helpers: one thread per other usable core, at full priority (the caller waits).
+zf::LazyPool g_helpers(usable_cores() - 1, 0);
 
 template <typename T>
 void gather_tile_rows(const T* src, int64_t src_stride, const int64_t* idx, int64_t n, T* dst,
@@ -97,9 +87,7 @@ ZF_API int zf_gather_columns(const void* src, int64_t rows, int64_t cols, int64_
   std::shared_ptr<zf::Job> job;
   if (helpers > 0) {
     job = std::make_shared<zf::Job>(static_cast<size_t>(helpers), [work](size_t) { work(); });
-    std::lock_guard<std::mutex> lock(g_pool_mu);
-    if (!g_pool) g_pool = new zf::ThreadPool(usable_cores() - 1, 0);
-    g_pool->submit(job);
+    g_helpers.submit(job);
   }
   work();
   if (job) job->wait(-1);

@@ -1,5 +1,7 @@
 #include "thread_pool.h"
 
+#include <pthread.h>
+
 #ifdef __linux__
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -9,6 +11,7 @@
 #include <chrono>
 #include <exception>
 #include <utility>
+#include <vector>
 
 namespace zf {
 
@@ -112,6 +115,67 @@ void ThreadPool::worker(int nice) {
       cv_.notify_all();
     }
   }
+}
+
+namespace {
+
+// Every LazyPool of the process (they are globals of the library), for the fork handlers.
+std::vector<LazyPool*>& lazy_pools() {
+  static std::vector<LazyPool*> pools;
+  return pools;
+}
+
+}  // namespace
+
+LazyPool::LazyPool(int num_threads, int nice) : num_threads_(num_threads), nice_(nice) {
+  static const int registered = pthread_atfork(before_fork, after_fork_in_parent,
+                                               after_fork_in_child);
+  (void)registered;
+  lazy_pools().push_back(this);
+}
+
+// A fork while another thread holds a pool's mutex would leave it locked forever in the child:
+// the handlers take every pool's mutex across the fork.
+void LazyPool::before_fork() {
+  for (LazyPool* p : lazy_pools()) p->mu_.lock();
+}
+
+void LazyPool::after_fork_in_parent() {
+  for (LazyPool* p : lazy_pools()) p->mu_.unlock();
+}
+
+void LazyPool::after_fork_in_child() {
+  for (LazyPool* p : lazy_pools()) {
+    p->pool_ = nullptr;
+    p->mu_.unlock();
+  }
+}
+
+void LazyPool::submit(std::shared_ptr<Job> job) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!pool_) pool_ = new ThreadPool(num_threads_, nice_);
+  pool_->submit(std::move(job));
+}
+
+void LazyPool::configure(int num_threads, int nice) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (num_threads < 0) num_threads = num_threads_;
+  if (nice < 0) nice = nice_;
+  if (num_threads == num_threads_ && nice == nice_) return;
+  delete pool_;
+  pool_ = nullptr;
+  num_threads_ = num_threads;
+  nice_ = nice;
+}
+
+int LazyPool::num_threads() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return num_threads_;
+}
+
+int LazyPool::nice() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return nice_;
 }
 
 }  // namespace zf

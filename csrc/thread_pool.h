@@ -64,4 +64,32 @@ class ThreadPool {
   std::vector<std::thread> threads_;
 };
 
+// A ThreadPool started on first use, with the size and niceness its owner sets. A forked child
+// of a process that used one starts its own: the parent's worker threads do not exist there, so
+// the parent's pool object is leaked rather than joined. Never destroyed at exit either, for the
+// same reason (exit may come from a child, or while a job still runs).
+class LazyPool {
+ public:
+  LazyPool(int num_threads, int nice);
+  LazyPool(const LazyPool&) = delete;
+  LazyPool& operator=(const LazyPool&) = delete;
+
+  void submit(std::shared_ptr<Job> job);  // starts the pool if there is none
+  // New settings (a negative value keeps one): waits for every queued job, and the next
+  // submission starts a new pool; settings equal to the current ones change nothing.
+  void configure(int num_threads, int nice);
+  int num_threads();
+  int nice();
+
+ private:
+  static void before_fork();
+  static void after_fork_in_parent();
+  static void after_fork_in_child();
+
+  std::mutex mu_;
+  ThreadPool* pool_ = nullptr;
+  int num_threads_;
+  int nice_;
+};
+
 }  // namespace zf

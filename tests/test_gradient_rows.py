@@ -1,6 +1,8 @@
 """A weight's gradient handed over as a matmul's factors or as G.T: the runtime's rows, scores
 and norm equal those of the gradient itself, however it was formed."""
 
+import multiprocessing
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -153,3 +155,25 @@ def test_a_tables_lookup_gradient_alone_is_its_rows_in_their_columns(accumulate_
         assert_close(w.selected_rows(), grad_t[w.order[: w.k]], rtol=1e-5, atol=1e-5)
         assert_close(w.unselected_rows(), grad_t[w.order[w.k :]], rtol=1e-5, atol=1e-5)
         w.discard_staged()
+
+
+def _gather_in_child(queue):
+    torch.set_num_threads(1)  # libgomp, which torch's own ops use, is not fork-safe
+    columns_by_out = torch.arange(600.0 * 200).reshape(600, 200).t()
+    out = gather_rows(columns_by_out, torch.tensor([5, 3, 199]))
+    queue.put(torch.equal(out, columns_by_out[[5, 3, 199]]))
+
+
+def test_a_forked_child_gathers_with_its_own_helper_threads():
+    columns_by_out = torch.randn(600, 200).t()
+    assert columns_by_out.numel() >= TILED_GATHER_MIN_ELEMENTS
+    gather_rows(columns_by_out, torch.arange(200))  # the parent's helper threads exist now
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_gather_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child hung in the column gather")
+    assert child.exitcode == 0 and queue.get(timeout=5)
