@@ -16,8 +16,13 @@ from zenflow.optimizer import ZenFlowAdamW
 def train(world_size: int, rank: int, settings: dict) -> tuple[torch.nn.Module, ZenFlowAdamW]:
     settings = dict(settings)
     compiled = settings.pop("compiled", False)
+    as_over_nccl = settings.pop("as_over_nccl", False)
     model = build("mlp")
     opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **settings)
+    if as_over_nccl:
+        # NCCL's path for host tensors (a copy on the collective's device, results copied back),
+        # with the CPU standing in for the GPU.
+        opt.comm._host_tensors_via = torch.device("cpu")
     forward = (
         torch.compile(model, backend="zenflow", options={"inner": "eager"}) if compiled else model
     )

@@ -33,8 +33,18 @@ def two_ranks(tmp_path, settings) -> list[dict]:
         dict(zero_stage=2, overlap_step=True, compiled=True),
         dict(zero_stage=1, overlap_step=True, max_grad_norm=0.05),
         dict(zero_stage=2, offload=True),
+        dict(zero_stage=1, overlap_step=True, as_over_nccl=True),
+        dict(zero_stage=2, compiled=True, as_over_nccl=True),
     ],
-    ids=["stage1", "stage2", "stage2-overlap-compiled", "stage1-overlap-clipped", "offload"],
+    ids=[
+        "stage1",
+        "stage2",
+        "stage2-overlap-compiled",
+        "stage1-overlap-clipped",
+        "offload",
+        "stage1-host-tensors-as-over-nccl",
+        "stage2-compiled-host-tensors-as-over-nccl",
+    ],
 )
 def test_two_ranks_equal_one_rank_and_the_reference(tmp_path, settings):
     settings = {**SCHEDULE, **settings}
@@ -45,7 +55,7 @@ def test_two_ranks_equal_one_rank_and_the_reference(tmp_path, settings):
     )
 
     oracle_model = build("mlp")
-    runtime_only = ("zero_stage", "compiled", "offload")
+    runtime_only = ("zero_stage", "compiled", "offload", "as_over_nccl")
     reference_settings = {k: v for k, v in settings.items() if k not in runtime_only}
     oracle = ReferenceZenFlowAdamW(oracle_model.parameters(), **reference_settings)
     for inputs, targets in batches("mlp", 12):

@@ -51,7 +51,7 @@ class DataParallel:
 
     def _collective_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         if self._host_tensors_via is not None and tensor.device.type == "cpu":
-            return tensor.to(self._host_tensors_via)
+            return tensor.to(self._host_tensors_via, copy=True)
         return tensor
 
     def block(self, columns: int, rank: int | None = None) -> tuple[int, int]:
