@@ -65,20 +65,17 @@ def _weight(saved: list[dict], world_size: int, rank: int, block: Block) -> dict
         for natural, rows in zip(host, state["host"], strict=True):
             natural[local_order] = rows
         if window_sum is not None:
-            unselected = local_order[state["k_locals"][saved_rank] :]
-            window_sum[unselected] += state["accumulator"].cpu()
+            summed_columns = local_order[state["k_locals"][saved_rank] :]
+            window_sum[summed_columns] += state["accumulator"].cpu()
             for batch_by_columns, out_grad in state["window_factors"]:
                 window_sum += batch_by_columns.t().cpu() @ out_grad.cpu()
 
-    selected = order[:k]
-    is_selected = torch.zeros(columns, dtype=torch.bool)
-    is_selected[selected] = True
+    selected, unselected = order[:k], order[k:]
     local_orders, k_locals = [], []
     for new_rank in range(world_size):
         lo, hi = block(columns, new_rank)
         mine = torch.zeros(columns, dtype=torch.bool)
         mine[lo:hi] = True
-        unselected = order[k:]
         # In the saved order within each part, so that the same world size changes nothing.
         local_orders.append(torch.cat([selected[mine[selected]], unselected[mine[unselected]]]))
         k_locals.append(int(mine[selected].sum()))
