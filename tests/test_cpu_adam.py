@@ -3,7 +3,6 @@ copy-out, the fused ZenFlow boundary pass, determinism, asynchrony and error pat
 
 import copy
 import gc
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import pytest
 import torch
 from torch.optim.adamw import adamw as torch_adamw
 
+from tests.forked import result_in_forked_child
 from zenflow.cpu_adamw import CPUAdamW
 from zenflow.runtime import cpu_adam
 
@@ -363,18 +363,10 @@ def _update_in_child(queue):
 
 def test_forked_child_gets_a_fresh_pool():
     _run_job(_job(46, [10], torch.float32, None, False), False)  # the parent's pool exists
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_update_in_child, args=(queue,))
-    child.start()
-    child.join(timeout=60)
-    if child.is_alive():
-        child.kill()
-        pytest.fail("the forked child hung in CPU AdamW")
-    assert child.exitcode == 0
+    in_child = result_in_forked_child(_update_in_child, "CPU AdamW")
     expected = _job(46, [100_000], torch.float32, None, False)
     _run_job(expected, False)
-    assert queue.get(timeout=5) == expected["params"][0].sum().item()
+    assert in_child == expected["params"][0].sum().item()
 
 
 def test_optimizer_step_async_equals_step():

@@ -1,12 +1,11 @@
 """A weight's gradient handed over as a matmul's factors or as G.T: the runtime's rows, scores
 and norm equal those of the gradient itself, however it was formed."""
 
-import multiprocessing
-
 import pytest
 import torch
 from torch.testing import assert_close
 
+from tests.forked import result_in_forked_child
 from zenflow.runtime import split_weight as split_weight_module
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.gradient_rows import FACTOR_RATIO, TILED_GATHER_MIN_ELEMENTS, gather_rows
@@ -168,12 +167,4 @@ def test_a_forked_child_gathers_with_its_own_helper_threads():
     columns_by_out = torch.randn(600, 200).t()
     assert columns_by_out.numel() >= TILED_GATHER_MIN_ELEMENTS
     gather_rows(columns_by_out, torch.arange(200))  # the parent's helper threads exist now
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=_gather_in_child, args=(queue,))
-    child.start()
-    child.join(timeout=60)
-    if child.is_alive():
-        child.kill()
-        pytest.fail("the forked child hung in the column gather")
-    assert child.exitcode == 0 and queue.get(timeout=5)
+    assert result_in_forked_child(_gather_in_child, "the column gather")

@@ -1,12 +1,12 @@
 """Device-to-host copies: the result is independent of later writes to the source, and on CPU
 a source handed over is copied by the stream's worker thread."""
 
-import multiprocessing
 import threading
 
 import pytest
 import torch
 
+from tests.forked import result_in_forked_child
 from zenflow.runtime.streams import CopyStream, copy_stream
 
 
@@ -60,17 +60,7 @@ def _copy_in_child(queue):
 def test_a_forked_child_copies_with_its_own_worker():
     stream = copy_stream(torch.device("cpu"))
     stream.copy_to_host(torch.ones(8), out=torch.empty(8), owned=True).wait()  # parent's thread
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=_copy_in_child, args=(queue,))
-    child.start()
-    try:
-        assert queue.get(timeout=20) == 64 * 64
-    finally:
-        child.join(timeout=60)
-        if child.is_alive():
-            child.kill()
-    assert child.exitcode == 0
+    assert result_in_forked_child(_copy_in_child, "a copy") == 64 * 64
 
 
 def test_copy_to_device_on_cpu_is_the_source():
