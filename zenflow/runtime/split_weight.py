@@ -378,7 +378,10 @@ class SplitWeight:
             mine = _squared_row_norms(self.host_stage)
             host_part[start : start + mine.numel()] = mine
             self._scores = torch.cat([device_part, self.comm.all_reduce_sum_(host_part)])
-        return self._scores.float().cpu()
+        # Kept as returned (staging may have left them on the device): the norm and the
+        # selection both ask in a select step, and a second call is no second transfer.
+        self._scores = self._scores.float().cpu()
+        return self._scores
 
     def staged_norm_sq(self) -> float:
         """Squared norm of the staged gradient (identical on every rank). From factors:
