@@ -30,3 +30,10 @@ def output_values(graph: torch.fx.Graph) -> list:
 def set_output_values(graph: torch.fx.Graph, values: list) -> None:
     output = graph.output_node()
     output.args = (type(output.args[0])(values),)
+    # Inductor noted which outputs the user sees before the passes ran; an output that is no
+    # longer a node (a gradient now None) must leave that list, or its stride analysis reads it.
+    visible = output.meta.get("user_visible_output_idxs")
+    if visible is not None:
+        output.meta["user_visible_output_idxs"] = [
+            i for i in visible if isinstance(values[i], torch.fx.Node)
+        ]
