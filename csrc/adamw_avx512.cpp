@@ -72,6 +72,9 @@ namespace zf {
 void adamw_range_avx512(const TensorWork& t, const Hyper& h, int64_t begin, int64_t end) {
   avx512::adamw_range(t, h, begin, end);
 }
+void accumulate_range_avx512(const TensorWork& t, const Hyper& h, int64_t begin, int64_t end) {
+  avx512::accumulate_range(t, h, begin, end);
+}
 }  // namespace zf
 
 #endif  // x86

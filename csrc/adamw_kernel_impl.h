@@ -156,5 +156,40 @@ inline void adamw_range(const TensorWork& t, const Hyper& h, int64_t begin, int6
   }
 }
 
+// The window's sum: acc += grad_scale * g, as torch's vectorized add_(g, alpha=grad_scale)
+// (one FMA), so a sum built here equals one built with torch on the training thread.
+template <int32_t G>
+inline void accumulate_block(float* acc, const void* g, int64_t n, float scale) {
+  const typename Vec::T s = Vec::set1(scale);
+  for (int64_t i = 0; i < n; i += Vec::kWidth) {
+    Vec::store(acc + i, Vec::fma(load_grad<G>(g, i), s, Vec::load(acc + i)));
+  }
+}
+
+template <int32_t G>
+void accumulate_run(const TensorWork& t, const Hyper& h, int64_t begin, int64_t end) {
+  constexpr int64_t W = Vec::kWidth;
+  const float scale = static_cast<float>(h.grad_scale);
+  float* acc = t.accumulator + begin;
+  const void* g = static_cast<const char*>(t.grad) + begin * dtype_size(G);
+  const int64_t n = end - begin, body = n - n % W, rem = n - body;
+  accumulate_block<G>(acc, g, body, scale);
+  if (rem == 0) return;
+  alignas(64) float tacc[W] = {};
+  alignas(64) char tg[W * 4] = {};
+  std::memcpy(tacc, acc + body, rem * sizeof(float));
+  std::memcpy(tg, static_cast<const char*>(g) + body * dtype_size(G), rem * dtype_size(G));
+  accumulate_block<G>(tacc, tg, W, scale);
+  std::memcpy(acc + body, tacc, rem * sizeof(float));
+}
+
+inline void accumulate_range(const TensorWork& t, const Hyper& h, int64_t begin, int64_t end) {
+  switch (t.grad_dtype) {
+    case kBF16: return accumulate_run<kBF16>(t, h, begin, end);
+    case kF16: return accumulate_run<kF16>(t, h, begin, end);
+    default: return accumulate_run<kF32>(t, h, begin, end);
+  }
+}
+
 }  // namespace ZF_ISA_NS
 }  // namespace zf

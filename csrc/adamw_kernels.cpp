@@ -53,4 +53,14 @@ RangeFn range_fn(Isa isa) {
   }
 }
 
+RangeFn accumulate_fn(Isa isa) {
+  switch (isa) {
+#if defined(__x86_64__) || defined(__i386__)
+    case kAvx512: return accumulate_range_avx512;
+    case kAvx2: return accumulate_range_avx2;
+#endif
+    default: return accumulate_range_scalar;
+  }
+}
+
 }  // namespace zf

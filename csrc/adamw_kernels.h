@@ -57,8 +57,15 @@ void adamw_range_scalar(const TensorWork&, const Hyper&, int64_t, int64_t);
 void adamw_range_avx2(const TensorWork&, const Hyper&, int64_t, int64_t);
 void adamw_range_avx512(const TensorWork&, const Hyper&, int64_t, int64_t);
 
+// acc[i] += grad_scale * grad[i] over [begin, end) of one tensor (accumulator, grad, grad_dtype
+// and numel are read; the other fields are not).
+void accumulate_range_scalar(const TensorWork&, const Hyper&, int64_t, int64_t);
+void accumulate_range_avx2(const TensorWork&, const Hyper&, int64_t, int64_t);
+void accumulate_range_avx512(const TensorWork&, const Hyper&, int64_t, int64_t);
+
 Isa best_isa();
 bool isa_supported(Isa isa);
 RangeFn range_fn(Isa isa);
+RangeFn accumulate_fn(Isa isa);
 
 }  // namespace zf

@@ -94,4 +94,7 @@ namespace zf {
 void adamw_range_scalar(const TensorWork& t, const Hyper& h, int64_t begin, int64_t end) {
   scalar::adamw_range(t, h, begin, end);
 }
+void accumulate_range_scalar(const TensorWork& t, const Hyper& h, int64_t begin, int64_t end) {
+  scalar::accumulate_range(t, h, begin, end);
+}
 }  // namespace zf

@@ -62,9 +62,65 @@ void copy_message(const std::string& msg, char* buf, int64_t len) {
   if (buf && len > 0) std::snprintf(buf, static_cast<size_t>(len), "%s", msg.c_str());
 }
 
+// Slices the tensors into tasks of at most kChunk elements, queues them as one job running
+// `fn` and returns its handle. `problem` validates each tensor record (empty: valid).
+int submit_job(const TensorWork* tensors, int64_t n, const Hyper* hyper, zf::RangeFn fn,
+               std::string (*problem)(const TensorWork&), void** handle_out, char* err,
+               int64_t err_len) {
+  try {
+    if (n < 0 || (n > 0 && !tensors) || !hyper || !handle_out) {
+      copy_message("invalid arguments", err, err_len);
+      return 1;
+    }
+    std::vector<TensorWork> work(tensors, tensors + n);
+    struct Task {
+      int64_t tensor, begin, end;
+    };
+    std::vector<Task> tasks;
+    for (int64_t i = 0; i < n; ++i) {
+      const std::string reason = problem(work[i]);
+      if (!reason.empty()) {
+        copy_message("tensor " + std::to_string(i) + ": " + reason, err, err_len);
+        return 1;
+      }
+      for (int64_t b = 0; b < work[i].numel; b += kChunk) {
+        tasks.push_back({i, b, std::min(work[i].numel, b + kChunk)});
+      }
+    }
+    bool fail = false;
+    for (int left = g_inject_failures.load(); !tasks.empty() && left > 0;) {
+      if (g_inject_failures.compare_exchange_weak(left, left - 1)) {
+        fail = true;
+        break;
+      }
+    }
+    const size_t num_tasks = tasks.size();
+    auto job = std::make_shared<zf::Job>(
+        num_tasks, [work = std::move(work), tasks = std::move(tasks), h = *hyper, fn,
+                    fail](size_t i) {
+          if (fail && i == 0) throw std::runtime_error("injected failure (zf_inject_failure)");
+          fn(work[tasks[i].tensor], h, tasks[i].begin, tasks[i].end);
+        });
+    if (num_tasks > 0) g_pool.submit(job);
+    *handle_out = new Handle{std::move(job)};
+    return 0;
+  } catch (const std::exception& e) {
+    copy_message(std::string("submission failed: ") + e.what(), err, err_len);
+    return 2;
+  }
+}
+
+std::string check_accumulation(const TensorWork& t) {
+  if (t.numel < 0) return "negative numel";
+  if (t.numel == 0) return "";
+  if (!t.accumulator || !t.grad) return "null accumulator or grad";
+  if (!valid_grad_dtype(t.grad_dtype)) return "grad dtype must be fp32, bf16 or fp16";
+  return "";
+}
+
 }  // namespace
 
-ZF_API int zf_abi_version() { return 4; }
+ZF_API int zf_abi_version() { return 5; }
 
 ZF_API void zf_record_sizes(int64_t* tensor_work, int64_t* hyper) {
   *tensor_work = sizeof(TensorWork);
@@ -103,53 +159,22 @@ ZF_API int zf_set_isa(int isa) {
 // worker thread instead of running its first task (the job's other tasks are then skipped).
 ZF_API void zf_inject_failure(int jobs) { g_inject_failures.store(std::max(jobs, 0)); }
 
+
 // Queues one multi-tensor AdamW update and returns at once. 0: *handle_out is a job handle to
 // wait on and release. Otherwise the arguments are invalid, nothing was queued and err holds
 // the reason.
 ZF_API int zf_submit(const TensorWork* tensors, int64_t n, const Hyper* hyper, void** handle_out,
                      char* err, int64_t err_len) {
-  try {
-    if (n < 0 || (n > 0 && !tensors) || !hyper || !handle_out) {
-      copy_message("invalid arguments", err, err_len);
-      return 1;
-    }
-    std::vector<TensorWork> work(tensors, tensors + n);
-    struct Task {
-      int64_t tensor, begin, end;
-    };
-    std::vector<Task> tasks;
-    for (int64_t i = 0; i < n; ++i) {
-      const std::string problem = check_tensor(work[i]);
-      if (!problem.empty()) {
-        copy_message("tensor " + std::to_string(i) + ": " + problem, err, err_len);
-        return 1;
-      }
-      for (int64_t b = 0; b < work[i].numel; b += kChunk) {
-        tasks.push_back({i, b, std::min(work[i].numel, b + kChunk)});
-      }
-    }
-    bool fail = false;
-    for (int left = g_inject_failures.load(); !tasks.empty() && left > 0;) {
-      if (g_inject_failures.compare_exchange_weak(left, left - 1)) {
-        fail = true;
-        break;
-      }
-    }
-    const zf::RangeFn fn = zf::range_fn(effective_isa());
-    const size_t num_tasks = tasks.size();
-    auto job = std::make_shared<zf::Job>(
-        num_tasks, [work = std::move(work), tasks = std::move(tasks), h = *hyper, fn,
-                    fail](size_t i) {
-          if (fail && i == 0) throw std::runtime_error("injected failure (zf_inject_failure)");
-          fn(work[tasks[i].tensor], h, tasks[i].begin, tasks[i].end);
-        });
-    if (num_tasks > 0) g_pool.submit(job);
-    *handle_out = new Handle{std::move(job)};
-    return 0;
-  } catch (const std::exception& e) {
-    copy_message(std::string("submission failed: ") + e.what(), err, err_len);
-    return 2;
-  }
+  return submit_job(tensors, n, hyper, zf::range_fn(effective_isa()), check_tensor, handle_out,
+                    err, err_len);
+}
+
+// Queues accumulator += hyper->grad_scale * grad for each record (accumulator, grad, grad_dtype,
+// numel), behind the jobs already queued; returns as zf_submit does.
+ZF_API int zf_submit_accumulate(const TensorWork* tensors, int64_t n, const Hyper* hyper,
+                                void** handle_out, char* err, int64_t err_len) {
+  return submit_job(tensors, n, hyper, zf::accumulate_fn(effective_isa()), check_accumulation,
+                    handle_out, err, err_len);
 }
 
 // 1 once the job has finished (successfully or not), 0 if timeout_ms (< 0: no limit) passed.

@@ -547,3 +547,56 @@ def test_worker_niceness_applies_to_the_pool_threads_only():
     for bad in (-1, 20):
         with pytest.raises(ValueError, match="niceness"):
             cpu_adam.set_worker_nice(bad)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_accumulate_equals_torch_add_for_every_isa(grad_dtype):
+    # Sizes with vector tails of every length, and one spread over several tasks.
+    numels = [1, 15, 17, 1000, 200_003]
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(n, generator=gen).to(grad_dtype) for n in numels]
+    start = [torch.randn(n, generator=gen) for n in numels]
+    for scale in (1.0, 0.37):
+        expected = [a.clone().add_(g, alpha=scale) for a, g in zip(start, grads, strict=True)]
+        for isa in _supported_isas():
+            cpu_adam._force_isa_for_tests(isa)
+            accs = [a.clone() for a in start]
+            cpu_adam.submit_accumulate(accs, grads, scale=scale).wait()
+            for acc, want in zip(accs, expected, strict=True):
+                assert torch.equal(acc, want), (isa, scale, acc.numel())
+
+
+def test_accumulate_runs_after_the_jobs_queued_before_it():
+    # The sum must not be read by the update queued before it, nor miss the one queued after.
+    cpu_adam.set_num_threads(3)
+    n = 2**21
+    args = _job(50, [n], torch.float32, None, True)
+    args["last_grads"] = None
+    grad = torch.full((n,), 2.0)
+    expected = copy.deepcopy(args)
+    expected["accumulators"][0] += 2.0
+    _run_job(expected, True)
+    accs = args["accumulators"]
+    handles = [
+        cpu_adam.submit_accumulate(accs, [grad]),
+        cpu_adam.submit_boundary_adamw_step(**args),
+        cpu_adam.submit_accumulate(accs, [grad], scale=0.5),
+    ]
+    for h in handles:
+        h.wait()
+    assert torch.equal(args["params"][0], expected["params"][0])
+    assert torch.equal(accs[0], torch.ones(n))
+
+
+@pytest.mark.parametrize(
+    "accumulators, grads, error, match",
+    [
+        ([torch.zeros(8, dtype=torch.bfloat16)], [torch.zeros(8)], TypeError, "accumulators"),
+        ([torch.zeros(8)], [torch.zeros(16)[::2]], ValueError, r"grads\[0\] is not contiguous"),
+        ([torch.zeros(8)], [torch.zeros(9)], ValueError, r"but accumulators\[0\] has 8"),
+        ([torch.zeros(8)], [], ValueError, "grads has 0 tensors for 1 accumulators"),
+    ],
+)
+def test_accumulate_rejects_bad_arguments(accumulators, grads, error, match):
+    with pytest.raises(error, match=match):
+        cpu_adam.submit_accumulate(accumulators, grads)

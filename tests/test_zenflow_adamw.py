@@ -8,7 +8,9 @@ from tests.models import batches, build, loss_of
 from zenflow.columns import select_top_columns
 from zenflow.optimizer import ZenFlowAdamW
 from zenflow.reference import ReferenceZenFlowAdamW
+from zenflow.runtime import cpu_adam
 
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 SETTINGS = dict(lr=1e-2, topk_ratio=0.25, update_interval=2, select_interval=4, overlap_step=True)
 
 
@@ -61,6 +63,42 @@ def test_overlap_on_large_weights_equals_reference(staging):
             o.zero_grad()
             torch.nn.functional.mse_loss(m(x), y).backward()
             o.step()
+    assert_close(list(model.parameters()), list(oracle_model.parameters()), rtol=1e-5, atol=1e-6)
+
+
+def test_sums_queued_behind_a_busy_pool_equal_reference(staging, monkeypatch):
+    """The CPU pool adds each step's unselected rows into the window's sum after step() has
+    returned. Here every such job waits behind a long one, so the next backward stages while the
+    previous step's rows are still unread: they must not be staged over."""
+    blockers, queued = [], []
+
+    def behind_a_long_job(sums, rows, scale):
+        zeros = torch.zeros(2**22)
+        blockers.append(
+            cpu_adam.submit_adamw_step(
+                [zeros], [zeros], [zeros.clone()], [zeros.clone()], steps=1, **HYPER
+            )
+        )
+        queued.append(real_submit(sums, rows, scale=scale))
+        return queued[-1]
+
+    real_submit = cpu_adam.submit_accumulate
+    monkeypatch.setattr(cpu_adam, "submit_accumulate", behind_a_long_job)
+    settings = {**SETTINGS, "update_interval": 4, "select_interval": 8}
+    data = batches("mlp", 12)
+    model, oracle_model = build("mlp"), build("mlp")
+    oracle = ReferenceZenFlowAdamW(oracle_model.parameters(), **settings)
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **settings)
+    train(oracle_model, oracle, data)
+    returned_before_the_sum = 0
+    for inputs, targets in data:
+        opt.zero_grad()
+        loss_of("mlp", model, inputs, targets).backward()
+        opt.step()
+        returned_before_the_sum += bool(queued) and not queued[-1].done()
+    opt.flush()
+    oracle.flush()
+    assert returned_before_the_sum >= 4
     assert_close(list(model.parameters()), list(oracle_model.parameters()), rtol=1e-5, atol=1e-6)
 
 

@@ -40,6 +40,8 @@ from zenflow.runtime.split_weight import SplitWeight
 # kernel launches on a GPU machine; its compute on a CPU-only one, where on 2 cores this moves
 # the cost from the steps inside the window to the wait at its close: the mean step is the same).
 BACKGROUND_NICE = 10
+# Steps whose unselected rows may wait in the CPU pool's queue (each holds a staging block).
+ACCUMULATIONS_QUEUED = 2
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -74,6 +76,14 @@ class _PendingUpdate:
     weights: list[SplitWeight]
     accumulators: list[torch.Tensor]
     stage_blocks: list[torch.Tensor | None]  # buffers it reads its last gradient from
+
+
+@dataclass
+class _Accumulation:
+    """A step's unselected rows being added into the windows' sums on the CPU pool."""
+
+    handle: cpu_adam.CPUAdamHandle
+    blocks: list[tuple[SplitWeight, torch.Tensor | None]]  # read by the job, given back after
 
 
 class ZenFlowAdamW(torch.optim.Optimizer):
@@ -180,6 +190,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.window_steps = 0
         self.last_step_skipped = False
         self._pending: list[_PendingUpdate] = []
+        self._accumulating: list[_Accumulation] = []
         self.failure: BaseException | None = None  # set when host state became undefined
         self._clip_next_step: float | None = None
         self._norm_sq: float | None = None
@@ -312,6 +323,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             raise
 
     def _step(self, loss, grad_divisor: float):
+        # Blocks of finished sums go back for the next backward; a pool lagging further behind
+        # holds the training thread here rather than pin another block per weight and step.
+        self._finish_accumulations(keep=ACCUMULATIONS_QUEUED)
         norm_sq = self._staged_norm_sq()
         max_norm = self._clip_next_step or self.max_grad_norm
         self._clip_next_step = None
@@ -406,6 +420,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         )
 
     def _reselect(self, weights: list[SplitWeight]) -> None:
+        self._finish_accumulations()  # (none: the window closed synchronously at the boundary)
         for w in weights:
             k = topk_count(self.topk_ratio, w.columns)
             to_host, to_device = w.reselect(select_top_columns(self._column_scores(w), k))
@@ -493,21 +508,50 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def _accumulate(self, weights: list[SplitWeight], coefficient: float, fuse_last: bool) -> None:
         """Add this step's unselected rows to the window's sum. At a window's last step with no
-        clipping the CPU update folds the addition into its own pass instead."""
+        clipping the CPU update folds the addition into its own pass instead. Host-side sums
+        are added by the CPU pool, behind the update still running there, while the training
+        thread goes on ("auto" reads the sums' norms every step: it adds them itself)."""
+        sums, rows, blocks = [], [], []
         for w in weights:
             if w.accumulator is None:
                 w.accumulator = w.new_accumulator()
             w.in_window = True
             if fuse_last and coefficient == 1.0 and w.can_fold_last_grad:
                 w.keep_stage_as_last_grad()
-            elif self._auto is not None or not w.defer_unselected(coefficient):
-                # ("auto" reads the sum's norm every step: it is kept up to date.)
+            elif self._auto is not None:
                 w.add_unselected_to(w.accumulator, coefficient)
+            elif w.defer_unselected(coefficient):
+                pass
+            elif w.sums_on_the_pool:
+                unselected, block = w.hand_over_unselected()
+                sums.append(w.accumulator)
+                rows.append(unselected)
+                blocks.append((w, block))
+            else:
+                w.add_unselected_to(w.accumulator, coefficient)
+        if sums:
+            handle = cpu_adam.submit_accumulate(sums, rows, scale=coefficient)
+            self._accumulating.append(_Accumulation(handle, blocks))
+
+    def _finish_accumulations(self, keep: int = 0) -> None:
+        """Wait until at most ``keep`` accumulations are still queued (the oldest finish first)
+        and give their blocks back; finished ones beyond that are collected without waiting."""
+        while self._accumulating:
+            oldest = self._accumulating[0]
+            if len(self._accumulating) <= keep and not oldest.handle.done():
+                return
+            self._timed_wait(oldest.handle, cpu=False)
+            for w, block in oldest.blocks:
+                if block is not None:
+                    w.release_block(block)
+            self._accumulating.pop(0)
 
     def _close_window(self, select_boundary: bool, force_sync: bool = False) -> None:
         """The CPU update of unselected columns from the window's mean gradient."""
         weights = [w for w in self.weights if w.in_window]
         background = self.overlap_step and not (select_boundary or force_sync)
+        if not background:
+            self._finish_accumulations()
         # A synchronous update writes its weights' columns to the parameters right after the
         # pending one would have: the pending result is not written for those.
         self._finish_pending(rewritten=() if background else weights)
@@ -615,6 +659,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if self.window_steps:
                 self._close_window(select_boundary=False, force_sync=True)
             self._finish_pending()
+            self._finish_accumulations()
         except CollectiveError as error:
             self.failure = error
             raise
@@ -636,6 +681,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "ZenFlowAdamW.state_dict() between backward() and step(): gradients are staged "
                 "but not committed; save after step() (or zero_grad())"
             )
+        self._finish_accumulations()
         for pending in self._pending:
             if pending.handle is not None:
                 self._timed_wait(pending.handle, cpu=False)
@@ -695,6 +741,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             )
         if self.failure is None:
             self._finish_pending()
+            self._finish_accumulations()
         else:
             # Their results are undefined and the loaded state replaces everything they touched;
             # jobs still running (other param groups') must not write into it.
@@ -702,7 +749,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if pending.handle is not None:
                     with contextlib.suppress(cpu_adam.CPUAdamError):
                         pending.handle.wait()
+            for job in self._accumulating:
+                with contextlib.suppress(cpu_adam.CPUAdamError):
+                    job.handle.wait()
             self._pending = []
+            self._accumulating = []
             self.failure = None
         for group, saved_group in zip(self.param_groups, state["param_groups"], strict=True):
             group.update(saved_group)

@@ -54,13 +54,14 @@ __all__ = [
     "isa",
     "set_num_threads",
     "set_worker_nice",
+    "submit_accumulate",
     "submit_adamw_step",
     "submit_boundary_adamw_step",
     "threads_from_reserved_cores",
 ]
 
 BUILD_HINT = "run `pip install -e .` (or `make install`) in the zenflow checkout to build csrc/"
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 _GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _OUT_DTYPES = {torch.bfloat16: 1, torch.float16: 2}
 _ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512"}
@@ -139,6 +140,7 @@ def _load():
             ctypes.c_char_p,
             c_i64,
         ]
+        lib.zf_submit_accumulate.argtypes = lib.zf_submit.argtypes
         lib.zf_job_wait.argtypes = [c_void_p, c_i64]
         lib.zf_job_done.argtypes = [c_void_p]
         lib.zf_job_error.argtypes = [c_void_p, ctypes.c_char_p, c_i64]
@@ -266,7 +268,7 @@ def _index_list(value, count: int, name: str) -> list:
     return [value] * count
 
 
-def _check_tensor(t, name: str, i: int, dtypes, numel: int | None) -> None:
+def _check_tensor(t, name: str, i: int, dtypes, numel: int | None, of: str = "params") -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -279,7 +281,7 @@ def _check_tensor(t, name: str, i: int, dtypes, numel: int | None) -> None:
     if not t.is_contiguous():
         raise ValueError(f"{name}[{i}] is not contiguous; pass a contiguous tensor (.contiguous())")
     if numel is not None and t.numel() != numel:
-        raise ValueError(f"{name}[{i}] has {t.numel()} elements but params[{i}] has {numel}")
+        raise ValueError(f"{name}[{i}] has {t.numel()} elements but {of}[{i}] has {numel}")
 
 
 def _submit(
@@ -460,3 +462,31 @@ def submit_boundary_adamw_step(
 def boundary_adamw_step(*args, **kwargs) -> None:
     """Synchronous :func:`submit_boundary_adamw_step` (same arguments)."""
     submit_boundary_adamw_step(*args, **kwargs).wait()
+
+
+def submit_accumulate(
+    accumulators: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], *, scale: float = 1.0
+) -> CPUAdamHandle:
+    """Queues ``accumulators[i] += scale * grads[i]`` (torch's ``add_(grad, alpha=scale)``, bit
+    for bit) behind the jobs already queued, and returns at once: a window's sum built on the
+    pool instead of the training thread. Accumulators are contiguous fp32 CPU tensors, gradients
+    contiguous fp32, bf16 or fp16 CPU tensors of the same size."""
+    lib = _load()
+    if len(grads) != len(accumulators):
+        raise ValueError(f"grads has {len(grads)} tensors for {len(accumulators)} accumulators")
+    records = (_TensorWork * max(len(accumulators), 1))()
+    for i, (acc, grad) in enumerate(zip(accumulators, grads, strict=True)):
+        _check_tensor(acc, "accumulators", i, (torch.float32,), None)
+        _check_tensor(grad, "grads", i, tuple(_GRAD_DTYPES), acc.numel(), of="accumulators")
+        r = records[i]
+        r.accumulator, r.numel = acc.data_ptr(), acc.numel()
+        r.grad, r.grad_dtype = grad.data_ptr(), _GRAD_DTYPES[grad.dtype]
+    hyper = _Hyper(grad_scale=float(scale))
+    handle = ctypes.c_void_p()
+    err = ctypes.create_string_buffer(512)
+    rc = lib.zf_submit_accumulate(
+        records, len(accumulators), ctypes.byref(hyper), ctypes.byref(handle), err, len(err)
+    )
+    if rc != 0:
+        raise ValueError(f"CPU accumulation rejected: {err.value.decode(errors='replace')}")
+    return CPUAdamHandle(lib, handle.value, [list(accumulators), list(grads)])

@@ -426,6 +426,20 @@ class SplitWeight:
         else:
             accumulator.add_(self.host_stage, alpha=alpha)
 
+    @property
+    def sums_on_the_pool(self) -> bool:
+        """Whether the CPU pool can add this step's unselected rows into the window's sum
+        (``hand_over_unselected``): rows staged on the host, a sum on the host."""
+        return not (self.accumulate_on_device or self.factor_parts)
+
+    def hand_over_unselected(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This step's unselected rows (host row order), and the block they live in, for a job
+        that reads them after the step: the weight forgets the block, so the next backward does
+        not stage into it; the job's owner gives it back (``release_block``) once done."""
+        rows, block = self.host_stage, self._stage_block
+        self._stage_block = None
+        return rows, block
+
     def defer_unselected(self, alpha: float) -> bool:
         """Factor-staged: keep this step's factors (``dy`` scaled by ``alpha``) instead of adding
         its unselected rows to the window's sum now; ``sum_deferred_into`` forms the window's
