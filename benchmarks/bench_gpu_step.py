@@ -527,7 +527,13 @@ def _summarize(args) -> str:
             "zenflow over the timed steps: "
             + ", ".join(
                 f"{k} {zen[k]:.3f}" if isinstance(zen[k], float) else f"{k} {zen[k]}"
-                for k in ("cpu_updates", "reselections", "optimizer_wait_s", "cpu_adam_s")
+                for k in (
+                    "cpu_updates",
+                    "reselections",
+                    "optimizer_wait_s",
+                    "cpu_adam_s",
+                    "cpu_accumulate_s",
+                )
                 if k in zen
             )
         )

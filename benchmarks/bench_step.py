@@ -459,6 +459,7 @@ def _regime(args, name: str, rows: int, peers: list[str], log_dir: str, port: in
         print(
             f"zenflow stats over the timed steps: cpu_updates {c.get('cpu_updates', 0)}, "
             f"reselections {c.get('reselections', 0)}, cpu_adam_s {c.get('cpu_adam_s', 0):.3f}, "
+            f"cpu_accumulate_s {c.get('cpu_accumulate_s', 0):.3f}, "
             f"optimizer_wait_s {c.get('optimizer_wait_s', 0):.3f}"
         )
     print(f"({len(running)} processes, setup {setup:.0f}s, {args.steps} timed steps each)")

@@ -184,6 +184,9 @@ ZF_API int zf_job_wait(void* handle, int64_t timeout_ms) {
 
 ZF_API int zf_job_done(void* handle) { return static_cast<Handle*>(handle)->job->done() ? 1 : 0; }
 
+// Seconds the job ran, from its first task's start to its last task's end (0 until done).
+ZF_API double zf_job_seconds(void* handle) { return static_cast<Handle*>(handle)->job->seconds(); }
+
 // Copies the failure message of a finished job into buf; returns its length (0: no failure).
 ZF_API int64_t zf_job_error(void* handle, char* buf, int64_t len) {
   const std::string msg = static_cast<Handle*>(handle)->job->error();

@@ -23,6 +23,10 @@ bool Job::run_task(size_t i) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     skip = failed_;
+    if (!started_) {
+      started_ = true;
+      began_ = std::chrono::steady_clock::now();
+    }
   }
   std::string error;
   if (!skip) {
@@ -41,6 +45,7 @@ bool Job::run_task(size_t i) {
     error_ = std::move(error);
   }
   if (++finished_ != num_tasks_) return false;
+  seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - began_).count();
   cv_.notify_all();
   return true;
 }
@@ -58,6 +63,11 @@ bool Job::wait(long timeout_ms) {
 bool Job::done() {
   std::lock_guard<std::mutex> lock(mu_);
   return finished_ == num_tasks_;
+}
+
+double Job::seconds() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return seconds_;
 }
 
 std::string Job::error() {

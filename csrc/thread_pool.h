@@ -3,6 +3,7 @@
 // depend on which thread runs which task (the AdamW tasks are disjoint element ranges).
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
@@ -28,6 +29,9 @@ class Job {
   bool wait(long timeout_ms);
   bool done();
   std::string error();  // empty unless a task failed; valid once done
+  // From the start of its first task to the end of its last (0 until done): the time the job
+  // ran, not the time it waited in the queue.
+  double seconds();
 
  private:
   friend class ThreadPool;
@@ -39,6 +43,9 @@ class Job {
   size_t finished_ = 0;
   bool failed_ = false;
   std::string error_;
+  bool started_ = false;
+  std::chrono::steady_clock::time_point began_;
+  double seconds_ = 0.0;
 };
 
 class ThreadPool {

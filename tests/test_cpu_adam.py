@@ -600,3 +600,14 @@ def test_accumulate_runs_after_the_jobs_queued_before_it():
 def test_accumulate_rejects_bad_arguments(accumulators, grads, error, match):
     with pytest.raises(error, match=match):
         cpu_adam.submit_accumulate(accumulators, grads)
+
+
+def test_job_seconds_are_its_run_time_not_its_time_in_the_queue():
+    cpu_adam.set_num_threads(1)
+    cpu_adam._force_isa_for_tests("scalar")
+    long_job = _job(60, [2**22], torch.float32, None, False)
+    short_sum = [torch.zeros(1000)], [torch.ones(1000)]
+    first = cpu_adam.submit_adamw_step(**long_job)
+    second = cpu_adam.submit_accumulate(*short_sum)
+    second.wait()
+    assert first.done() and 0 < second.seconds() < first.seconds() / 10

@@ -147,6 +147,17 @@ def test_stats_count_steps_updates_and_bytes():
     assert stats["skipped_steps"] == 0
 
 
+def test_pool_time_counts_whether_or_not_the_training_thread_waited():
+    # Overlapped: the window updates and the sums run in the pool beside training.
+    data = batches("mlp", 8)
+    model = build("mlp")
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **SETTINGS)
+    train(model, opt, data)
+    stats = opt.stats()
+    assert stats["cpu_updates"] == 4 and stats["cpu_adam_s"] > 0
+    assert stats["cpu_accumulate_s"] > 0
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

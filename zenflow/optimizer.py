@@ -202,6 +202,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             h2d_bytes=0,
             optimizer_wait_s=0.0,
             cpu_adam_s=0.0,
+            cpu_accumulate_s=0.0,
         )
 
     def _check_one_device(self) -> None:
@@ -483,7 +484,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             for group_index, group_weights in self._by_group(weights):
                 for w in group_weights:
                     w.host_steps += 1
-                self._timed_wait(
+                self._collect(
                     cpu_adam.submit_adamw_step(
                         [w.host_master for w in group_weights],
                         [w.unselected_rows() for w in group_weights],
@@ -494,7 +495,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                         grad_scale=coefficient,
                         **self._hyper(group_index),
                     ),
-                    cpu=True,
+                    "cpu_adam_s",
                 )
                 for w in group_weights:
                     self._counters["h2d_bytes"] += w.write_unselected()
@@ -540,7 +541,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             oldest = self._accumulating[0]
             if len(self._accumulating) <= keep and not oldest.handle.done():
                 return
-            self._timed_wait(oldest.handle, cpu=False)
+            self._collect(oldest.handle, "cpu_accumulate_s")
             for w, block in oldest.blocks:
                 if block is not None:
                     w.release_block(block)
@@ -622,7 +623,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Wait for ``pending`` and write its result to the parameters, except for the weights
         in ``rewritten`` (a synchronous update is about to write them again)."""
         if pending.handle is not None:
-            self._timed_wait(pending.handle, cpu=not self.overlap_step)
+            self._collect(pending.handle, "cpu_adam_s")
         skipped = {id(w) for w in rewritten}
         for w, used, block in zip(
             pending.weights, pending.accumulators, pending.stage_blocks, strict=True
@@ -639,17 +640,20 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._apply(pending, rewritten)
         self._pending = []
 
-    def _timed_wait(self, handle: cpu_adam.CPUAdamHandle, cpu: bool) -> None:
+    def _timed_wait(self, handle: cpu_adam.CPUAdamHandle) -> None:
         started = time.perf_counter()
         try:
             handle.wait()
         except cpu_adam.CPUAdamError as error:
             self.failure = error
             raise
-        elapsed = time.perf_counter() - started
-        self._counters["optimizer_wait_s"] += elapsed
-        if cpu:
-            self._counters["cpu_adam_s"] += elapsed
+        self._counters["optimizer_wait_s"] += time.perf_counter() - started
+
+    def _collect(self, handle: cpu_adam.CPUAdamHandle, counter: str) -> None:
+        """Wait for a job this optimizer is done with and count the time it ran in the pool,
+        whether the training thread waited for it or not."""
+        self._timed_wait(handle)
+        self._counters[counter] += handle.seconds()
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -684,7 +688,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._finish_accumulations()
         for pending in self._pending:
             if pending.handle is not None:
-                self._timed_wait(pending.handle, cpu=False)
+                self._timed_wait(pending.handle)
         pending_weights = {id(w) for p in self._pending for w in p.weights}
         weights = [
             {
@@ -801,6 +805,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.load_state_dict(reshard(states, self.comm.world_size, self.comm.rank, self.comm.block))
 
     def stats(self) -> dict:
+        """Counters since the optimizer was created (restored with a checkpoint):
+
+        steps (committed), selected_fraction (of the owned weights' elements, now),
+        skipped_steps, reselections, cpu_updates, d2h_bytes and h2d_bytes (staging, migration,
+        write-backs), optimizer_wait_s (the training thread blocked on the CPU pool),
+        cpu_adam_s (the CPU AdamW updates' run time in the pool, overlapped or not),
+        cpu_accumulate_s (the pool's run time adding steps into the windows' host-side sums).
+        """
         selected = sum(w.k * w.out for w in self.weights)
         total = sum(w.columns * w.out for w in self.weights)
         return dict(

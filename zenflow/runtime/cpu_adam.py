@@ -143,6 +143,8 @@ def _load():
         lib.zf_submit_accumulate.argtypes = lib.zf_submit.argtypes
         lib.zf_job_wait.argtypes = [c_void_p, c_i64]
         lib.zf_job_done.argtypes = [c_void_p]
+        lib.zf_job_seconds.argtypes = [c_void_p]
+        lib.zf_job_seconds.restype = ctypes.c_double
         lib.zf_job_error.argtypes = [c_void_p, ctypes.c_char_p, c_i64]
         lib.zf_job_error.restype = c_i64
         lib.zf_job_release.argtypes = [c_void_p]
@@ -232,6 +234,11 @@ class CPUAdamHandle:
 
     def done(self) -> bool:
         return bool(self._lib.zf_job_done(self._ptr))
+
+    def seconds(self) -> float:
+        """How long the job ran in the pool, from its first task's start to its last task's end
+        (not counting its time in the queue); 0.0 until it has finished."""
+        return self._lib.zf_job_seconds(self._ptr)
 
     def wait(self) -> None:
         """Blocks (GIL released) until the job has finished; raises CPUAdamError if it failed,
