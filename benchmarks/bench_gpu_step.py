@@ -135,8 +135,11 @@ class _ZenFlow:
         if peer == "zenflow-offload":
             settings = dict(topk_ratio=0.0, update_interval=1, select_interval=1)
         self.settings = settings
+        # The default step backend (eager on a GPU, Inductor on the CPU), unless the whole run
+        # is eager (--inner eager: debugging, and the CPU smoke run).
+        step_backend = "auto" if args.inner == "inductor" else "eager"
         self.opt = zenflow.ZenFlowAdamW(
-            model.parameters(), **HYPER, step_backend=args.inner, **settings
+            model.parameters(), **HYPER, step_backend=step_backend, **settings
         )
         self.model = torch.compile(model, backend="zenflow", options={"inner": args.inner})
 

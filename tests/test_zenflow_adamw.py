@@ -9,6 +9,7 @@ from zenflow.columns import select_top_columns
 from zenflow.optimizer import ZenFlowAdamW
 from zenflow.reference import ReferenceZenFlowAdamW
 from zenflow.runtime import cpu_adam
+from zenflow.runtime.selective_step import step_backend_for
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 SETTINGS = dict(lr=1e-2, topk_ratio=0.25, update_interval=2, select_interval=4, overlap_step=True)
@@ -169,6 +170,7 @@ def test_pool_time_counts_whether_or_not_the_training_thread_waited():
         (dict(lr=-1.0), "lr"),
         (dict(update_interval="auto", max_update_interval=0), "max_update_interval"),
         (dict(update_interval="auto", auto_ratio=1.5), "auto_ratio"),
+        (dict(step_backend="tvm"), "step_backend must be one of"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, message):
@@ -277,3 +279,16 @@ def test_offload_counts_the_selected_rows_traffic():
     selected_bytes = (1 * 16 + 4 * 3) * 4
     assert offload_opt.stats()["d2h_bytes"] - plain_opt.stats()["d2h_bytes"] == 7 * selected_bytes
     assert offload_opt.stats()["h2d_bytes"] - plain_opt.stats()["h2d_bytes"] == 8 * selected_bytes
+
+
+@pytest.mark.parametrize(
+    "requested, device, backend",
+    [
+        ("auto", "cuda", "eager"),
+        ("auto", "cpu", "inductor"),
+        ("inductor", "cuda", "inductor"),
+        ("eager", "cpu", "eager"),
+    ],
+)
+def test_step_backend_auto_compiles_the_device_update_on_the_cpu_only(requested, device, backend):
+    assert step_backend_for(requested, torch.device(device)) == backend

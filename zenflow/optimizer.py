@@ -32,7 +32,7 @@ from zenflow.runtime import cpu_adam
 from zenflow.runtime.auto_interval import AutoUpdateInterval
 from zenflow.runtime.comm import CollectiveError, DataParallel
 from zenflow.runtime.reshard import reshard
-from zenflow.runtime.selective_step import compiled_selective_adamw
+from zenflow.runtime.selective_step import compiled_selective_adamw, step_backend_for
 from zenflow.runtime.split_weight import SplitWeight
 
 # Niceness of the CPU AdamW workers while an overlapped update runs beside training: they take
@@ -92,7 +92,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     Args beyond AdamW's are the fields of DeepSpeed's ``zero_optimization.zenflow`` block (same
     meaning and validation; an int ``select_interval`` means every that many steps), plus
     ``max_grad_norm`` (clip by global norm each step), ``step_backend``: "inductor" compiles
-    the device update, "eager" runs it as plain PyTorch (for debugging), and ``nonfinite``:
+    the device update, "eager" runs it as plain PyTorch (``torch._foreach`` ops), "auto"
+    (default) picks eager for parameters on a GPU and Inductor on the CPU (see
+    ``zenflow.runtime.selective_step.step_backend_for``), and ``nonfinite``:
     what a step whose gradient norm is NaN or infinite does. "raise" (default) raises
     ``NonFiniteGradientError``; "skip" skips it (counted in ``stats()["skipped_steps"]``, see
     ``last_step_skipped``), as fp16 loss scaling needs. Either way nothing is committed.
@@ -123,7 +125,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         max_update_interval: int = 16,
         pt_reserved_cores_perc: float = 0.5,
         max_grad_norm: float | None = None,
-        step_backend: str = "inductor",
+        step_backend: str = "auto",
         nonfinite: str = "raise",
         zero_stage: int = 2,
         process_group=None,
@@ -166,7 +168,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.overlap_step = settings.overlap_step
         self.full_warm_up_rounds = settings.full_warm_up_rounds
         self.max_grad_norm = max_grad_norm
-        self._device_step = compiled_selective_adamw(step_backend)
+        self._device_step = compiled_selective_adamw(
+            step_backend_for(step_backend, self._device_of_params())
+        )
         self.comm = DataParallel(zero_stage, process_group)
         self._cpu_threads = cpu_adam.threads_from_reserved_cores(settings.pt_reserved_cores_perc)
         cpu_adam.set_num_threads(self._cpu_threads)
@@ -204,6 +208,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             cpu_adam_s=0.0,
             cpu_accumulate_s=0.0,
         )
+
+    def _device_of_params(self) -> torch.device:
+        trained = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        return trained[0].device if trained else torch.device("cpu")
 
     def _check_one_device(self) -> None:
         # The runtime (streams, host-device copies, the compiled backward) is built and tested
