@@ -266,6 +266,29 @@ def _union_seconds(intervals) -> float:
     return total / 1e6  # trace timestamps are microseconds
 
 
+def _step_kind(before: dict, after: dict) -> str | None:
+    """What a zenflow step did, from its counters: "reselect" (it moved the selection),
+    "window close" (it ran a CPU update), "inside a window"; None for rows without counters."""
+    if not after:
+        return None
+    if after["reselections"] > before["reselections"]:
+        return "reselect"
+    if after["cpu_updates"] > before["cpu_updates"]:
+        return "window close"
+    return "inside a window"
+
+
+def _by_kind(record: dict) -> str:
+    """Median step time per kind of step, e.g. "inside a window 180.2 ms (10), ..."."""
+    times: dict[str, list[float]] = {}
+    for kind, t in zip(record.get("step_kinds") or [], record["step_times_s"], strict=False):
+        if kind is not None:
+            times.setdefault(kind, []).append(t)
+    return ", ".join(
+        f"{kind} {1000 * statistics.median(ts):.1f} ms ({len(ts)})" for kind, ts in times.items()
+    )
+
+
 def _profile(runner, batches, device, steps: int) -> dict:
     """Device-busy time and copies over ``steps`` steps, from a torch.profiler trace."""
     from torch.profiler import ProfilerActivity, profile
@@ -391,8 +414,9 @@ def _worker(args, peer: str) -> int:
         print(f"[{peer}] set up, compiled and warmed up in {record['setup_s']:.1f}s", flush=True)
 
         before = runner.counters()
-        times, spans, losses = [], [], []
+        times, spans, losses, kinds = [], [], [], []
         for i in range(args.steps):
+            counted = runner.counters()
             x, y = batches[(warmup + i) % len(batches)]
             if device.type == "cuda":
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
@@ -409,6 +433,7 @@ def _worker(args, peer: str) -> int:
             if device.type == "cuda":
                 spans.append(begin.elapsed_time(end) / 1000)
             losses.append(float(loss.detach().float()))
+            kinds.append(_step_kind(counted, runner.counters()))
         after = runner.counters()
         delta = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int | float)}
         moved = delta.get("d2h_bytes", 0) + delta.get("h2d_bytes", 0)
@@ -427,6 +452,7 @@ def _worker(args, peer: str) -> int:
                 else None
             ),
             losses=losses,
+            step_kinds=kinds,
             counters=delta,
             bytes_per_step=moved / args.steps if after else analytic,
             bytes_per_step_source="stats" if after else "analytic",
@@ -523,6 +549,10 @@ def _summarize(args) -> str:
             )
             + " |"
         )
+    for name, r in records.items():
+        if r.get("step_kinds") and _by_kind(r):
+            lines.append("")
+            lines.append(f"{name} median step by kind (count): {_by_kind(r)}")
     zen = records.get("zenflow", {}).get("counters")
     if zen:
         lines.append("")
