@@ -292,3 +292,18 @@ def test_offload_counts_the_selected_rows_traffic():
 )
 def test_step_backend_auto_compiles_the_device_update_on_the_cpu_only(requested, device, backend):
     assert step_backend_for(requested, torch.device(device)) == backend
+
+
+def test_the_step_shows_its_phases_in_a_profiler_trace():
+    data = batches("mlp", 12)
+    model = build("mlp")
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **SETTINGS)
+    train(model, opt, data[:8])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        # Step 9 reselects (select_interval 4) and adds to the sums, step 10 starts an
+        # overlapped update, which step 12 writes back before its own, synchronous one.
+        train(model, opt, data[8:])
+    names = {event.key for event in prof.key_averages()}
+    phases = ["step", "gradient_norm", "reselect", "device_update", "window_sums", "cpu_update"]
+    for phase in phases + ["write_back"]:
+        assert f"zenflow::{phase}" in names
