@@ -1,6 +1,6 @@
 """zenflow vs DeepSpeed ZeRO-Offload vs no offload: one GPT training step on a GPU.
 
-    python benchmarks/bench_gpu_step.py [--device cuda] [--out DIR] [--peers zenflow,ds-offload,adamw]
+    python benchmarks/bench_gpu_step.py [--device cuda] [--out DIR] [--peers zenflow,ds-offload,ds-zenflow,adamw]
         [--layers 24] [--width 1024] [--heads 16] [--seq 512] [--batch 8] [--vocab 50304]
         [--warmup N] [--steps 16] [--profile-steps N] [--inner inductor] [--peer-timeout S]
     python benchmarks/bench_gpu_step.py --device cpu --quick   # a smoke run of the same code on CPU
@@ -20,6 +20,8 @@ a process group, a compile cache in memory or CPU threads):
   ds-offload       DeepSpeed ZeRO stage 2, offload_optimizer cpu (pinned), bf16, AdamW through
                    DeepSpeedCPUAdam (built just in time on first use), overlap_comm and
                    contiguous_gradients as DeepSpeed's offload tutorial sets them; eager model
+  ds-zenflow       DeepSpeed's own ZenFlow: ds-offload plus the zero_optimization.zenflow block
+                   with zenflow's settings (select_strategy "step"); eager model
   adamw            no offload: the bf16 model compiled by Inductor, fp32 master weights and
                    torch.optim.AdamW(fused=True) on the GPU (grads cast to fp32, masters copied back)
   zenflow-devsum   (optional) zenflow with accumulate_on_device: window sums on the GPU
@@ -57,8 +59,8 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PEERS = ("zenflow", "ds-offload", "adamw", "zenflow-devsum", "zenflow-offload")
-DEFAULT_PEERS = "zenflow,ds-offload,adamw"
+PEERS = ("zenflow", "ds-offload", "ds-zenflow", "adamw", "zenflow-devsum", "zenflow-offload")
+DEFAULT_PEERS = "zenflow,ds-offload,ds-zenflow,adamw"
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 ZENFLOW = dict(topk_ratio=0.1, update_interval=4, select_interval=8, overlap_step=True)
 CYCLE = ZENFLOW["select_interval"]
@@ -224,6 +226,9 @@ class _DeepSpeed:
             "overlap_comm": cuda,
             "contiguous_gradients": True,
         }
+        if peer == "ds-zenflow":
+            zero["zenflow"] = dict(ZENFLOW, select_strategy="step")
+        self.peer = peer
         bf16 = next(model.parameters()).dtype == torch.bfloat16
         self.settings = dict(zero_optimization=zero, bf16=bf16, torch_adam=args.ds_torch_adam)
         config = {
@@ -251,6 +256,11 @@ class _DeepSpeed:
 
     def analytic_bytes_per_step(self, params: int, element_size: int):
         # ZeRO-Offload: every gradient to the host, every updated weight back, each step.
+        # DeepSpeed's ZenFlow: every gradient down each step, the unselected weights back once
+        # per window (the selected ones are updated on the device).
+        if self.peer == "ds-zenflow":
+            up = (1 - ZENFLOW["topk_ratio"]) / ZENFLOW["update_interval"]
+            return (1 + up) * params * element_size
         return 2 * params * element_size
 
 
@@ -393,7 +403,7 @@ def _worker(args, peer: str) -> int:
         for _ in range(4):
             tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
             batches.append((tokens[:, :-1].to(device), tokens[:, 1:].to(device)))
-        kind = _DeepSpeed if peer == "ds-offload" else _AdamW if peer == "adamw" else _ZenFlow
+        kind = _DeepSpeed if peer.startswith("ds-") else _AdamW if peer == "adamw" else _ZenFlow
         runner = kind(peer, model, args)
         record["settings"] = runner.settings
         warmup = args.warmup if args.warmup is not None else CYCLE if "zenflow" in peer else 3
@@ -575,7 +585,8 @@ def _summarize(args) -> str:
         "median step: wall clock per step (synchronized), after warm-up. device idle: 1 - union of "
         "kernel time / wall time over the profiled steps (torch.profiler). fwd+bwd share: CUDA "
         "events around forward + backward / step wall time. bytes/step: zenflow stats(), '~' "
-        "analytic (DeepSpeed: bf16 grads down + bf16 weights up); profiler: memcpy HtoD + DtoH. "
+        "analytic (ZeRO-Offload: bf16 grads down + bf16 weights up; DeepSpeed ZenFlow: grads down, "
+        "unselected weights up once per window); profiler: memcpy HtoD + DtoH. "
         "row / zenflow: the row's median over zenflow's (above 1: zenflow is faster).",
     ]
     text = "\n".join(lines) + "\n"

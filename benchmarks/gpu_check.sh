@@ -25,6 +25,7 @@
 #   zenflow   200 s  bench_gpu_step.py --peers zenflow     (Inductor compile + 8 + 16 + 8 steps;
 #                    on an H200 the first step, compiles included, took 122 s)
 #   ds-offload 90 s  bench_gpu_step.py --peers ds-offload  (3 + 16 + 4 steps)
+#   ds-zenflow 90 s  bench_gpu_step.py --peers ds-zenflow  (DeepSpeed's ZenFlow, 8 + 16 + 4 steps)
 #   adamw      60 s  bench_gpu_step.py --peers adamw
 #   zenflow-devsum 100 s zenflow with accumulate_on_device, only if 60 s or more are left (its
 #                    compiles mostly hit the Inductor cache the zenflow row filled)
@@ -163,6 +164,7 @@ if [[ -f "$build_log" ]] && grep -q Error "$build_log" && ! grep -q "built in" "
         >>"$RES/summary.md"
 fi
 stage ds-offload 90 "bench ds-offload $ds_options" # waits for the background build if still running
+stage ds-zenflow 90 "bench ds-zenflow $ds_options"
 stage adamw 60 "bench adamw"
 if (((BUDGET - RESERVE) - (SECONDS - START) >= 60)); then # only with time to spare
     stage zenflow-devsum 100 "bench zenflow-devsum"
