@@ -118,7 +118,7 @@ def recorded_selections(data) -> dict[tuple, list[set]]:
     return selections
 
 
-def test_stats_count_steps_updates_and_bytes():
+def test_stats_count_steps_updates_bytes_and_pool_time():
     data = batches("mlp", 8)
     model = build("mlp")
     opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **SETTINGS)
@@ -146,17 +146,8 @@ def test_stats_count_steps_updates_and_bytes():
     # steps 4 and 8; the overlapped ones of steps 2 and 6 are folded into those writes.
     assert stats["h2d_bytes"] == 2 * unselected_elements * 4 + moved_in
     assert stats["skipped_steps"] == 0
-
-
-def test_pool_time_counts_whether_or_not_the_training_thread_waited():
-    # Overlapped: the window updates and the sums run in the pool beside training.
-    data = batches("mlp", 8)
-    model = build("mlp")
-    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **SETTINGS)
-    train(model, opt, data)
-    stats = opt.stats()
-    assert stats["cpu_updates"] == 4 and stats["cpu_adam_s"] > 0
-    assert stats["cpu_accumulate_s"] > 0
+    # The pool's time counts whether or not the training thread waited for it (overlapped).
+    assert stats["cpu_adam_s"] > 0 and stats["cpu_accumulate_s"] > 0
 
 
 @pytest.mark.parametrize(
