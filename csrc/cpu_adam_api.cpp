@@ -159,7 +159,6 @@ ZF_API int zf_set_isa(int isa) {
 // worker thread instead of running its first task (the job's other tasks are then skipped).
 ZF_API void zf_inject_failure(int jobs) { g_inject_failures.store(std::max(jobs, 0)); }
 
-
 // Queues one multi-tensor AdamW update and returns at once. 0: *handle_out is a job handle to
 // wait on and release. Otherwise the arguments are invalid, nothing was queued and err holds
 // the reason.

@@ -448,7 +448,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     @_traced("zenflow::reselect")
     def _reselect(self, weights: list[SplitWeight]) -> None:
-        self._finish_accumulations()  # (none: the window closed synchronously at the boundary)
         for w in weights:
             k = topk_count(self.topk_ratio, w.columns)
             to_host, to_device = w.reselect(select_top_columns(self._column_scores(w), k))
