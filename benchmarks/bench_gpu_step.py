@@ -347,6 +347,25 @@ def _profile(runner, batches, device, steps: int) -> dict:
     )
 
 
+def _phases(runner, batches, device, steps: int) -> dict:
+    """zenflow's step phases (its ``zenflow::`` profiler ranges): host milliseconds per step
+    over ``steps`` further steps, a separate trace with CPU activity (which slows the host, so
+    it stays out of the idle measurement)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(steps):
+            runner.forward_backward(*batches[i % len(batches)])
+            runner.optimizer_step()
+        _sync(device)
+    return {
+        event.key: event.cpu_time_total / 1000 / steps
+        for event in prof.key_averages()
+        if event.key.startswith("zenflow::")
+    }
+
+
 def _write_json(path: Path, record: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1))
@@ -483,6 +502,9 @@ def _worker(args, peer: str) -> int:
             record["profile"] = _profile(runner, batches, device, profile_steps)
             idle = record["profile"]["idle_fraction"]
             print(f"[{peer}] device idle over {profile_steps} profiled steps: {idle}", flush=True)
+        if runner.counters() and profile_steps > 0:
+            record["phases_ms_per_step"] = _phases(runner, batches, device, profile_steps)
+            _write_json(path, record)
         record.update(status="done", total_s=time.perf_counter() - started)
         _write_json(path, record)
         return 0
@@ -563,6 +585,12 @@ def _summarize(args) -> str:
         if r.get("step_kinds") and _by_kind(r):
             lines.append("")
             lines.append(f"{name} median step by kind (count): {_by_kind(r)}")
+        if r.get("phases_ms_per_step"):
+            phases = sorted(r["phases_ms_per_step"].items(), key=lambda kv: -kv[1])
+            lines.append(
+                f"{name} host ms per step by phase (profiled, nested): "
+                + ", ".join(f"{key} {ms:.1f}" for key, ms in phases)
+            )
     zen = records.get("zenflow", {}).get("counters")
     if zen:
         lines.append("")
