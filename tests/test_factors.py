@@ -32,7 +32,7 @@ def test_factors_give_the_norm_scores_and_rows_of_their_product():
 
     norm_sq = torch.tensor(float(grad_t.double().square().sum()))
     for w in (as_rows, as_factors):
-        assert_close(torch.tensor(w.staged_norm_sq()), norm_sq, rtol=1e-5, atol=0)
+        assert_close(w.staged_norm_sq().float(), norm_sq, rtol=1e-5, atol=0)
     assert_close(as_factors.column_scores(), grad_t.square().sum(1), rtol=1e-5, atol=1e-5)
     assert_close(as_rows.column_scores(), grad_t.square().sum(1), rtol=1e-5, atol=1e-5)
     assert_close(as_factors.selected_rows(), as_rows.selected_rows(), rtol=1e-5, atol=1e-5)

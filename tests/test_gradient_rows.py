@@ -55,7 +55,7 @@ def test_rows_scores_and_norm_are_the_gradients(
     assert_close(w.unselected_rows(), grad_t[w.order[w.k :]], rtol=1e-5, atol=1e-5)
     assert_close(w.column_scores(), grad_t.square().sum(1), rtol=1e-5, atol=1e-4)
     norm_sq = float(grad_t.double().square().sum())
-    assert w.staged_norm_sq() == pytest.approx(norm_sq, rel=1e-5)
+    assert float(w.staged_norm_sq()) == pytest.approx(norm_sq, rel=1e-5)
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -271,17 +271,23 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Squared global norm of this step's gradient (non-finite on overflow)."""
         if self._norm_sq is None:
             self._collect_eager_grads()
-            total = torch.zeros((), dtype=torch.float64)
+            # Summed where the parts are (each device's, then the host's): one transfer per
+            # device and step, not one per weight.
+            totals: dict[torch.device, torch.Tensor] = {}
+
+            def add(part: torch.Tensor) -> None:
+                totals[part.device] = part + totals[part.device] if part.device in totals else part
+
             self._scores = {}
             for w in self.weights:
                 if w.has_staged:
                     w.reduce_staged()
-                    total += w.staged_norm_sq()
+                    add(w.staged_norm_sq())
             for v in self.vectors:
                 if v.param.grad is not None:
                     self.comm.all_reduce_mean_(v.param.grad)
-                    total += torch.linalg.vector_norm(v.param.grad, dtype=torch.float64).cpu() ** 2
-            self._norm_sq = total.item()
+                    add(torch.linalg.vector_norm(v.param.grad, dtype=torch.float64) ** 2)
+            self._norm_sq = sum(total.item() for total in totals.values())
         return self._norm_sq
 
     @torch.no_grad()

@@ -383,13 +383,18 @@ class SplitWeight:
         self._scores = self._scores.float().cpu()
         return self._scores
 
-    def staged_norm_sq(self) -> float:
-        """Squared norm of the staged gradient (identical on every rank). From factors:
-        ``||x.T dy||^2 == sum((x x.T) * (dy dy.T))``, batch-by-batch matrices only."""
+    def staged_norm_sq(self) -> torch.Tensor:
+        """Squared norm of the staged gradient (identical on every rank), a float64 scalar
+        tensor where the scores are: on the device when staging took them there (one rank),
+        so that a step sums every weight's there and crosses to the host once, not once per
+        weight. From factors: ``||x.T dy||^2 == sum((x x.T) * (dy dy.T))``, batch-by-batch
+        matrices only."""
         if self.factor_parts:
             x, dy = self._factors()
-            return float(((x @ x.t()).double() * (dy @ dy.t()).double()).sum())
-        return float(self.staged_scores().double().sum())
+            return ((x @ x.t()).double() * (dy @ dy.t()).double()).sum()
+        if self._scores is not None and self._scores.device.type != "cpu":
+            return self._scores.double().sum()
+        return self.staged_scores().double().sum()
 
     def column_scores(self) -> torch.Tensor:
         """Squared norm of each column of the staged gradient, in natural column order, fp32 on
