@@ -249,6 +249,20 @@ def test_worker_failure_in_flush_is_remembered():
         opt.state_dict()
 
 
+def test_a_failed_window_sum_stops_the_optimizer():
+    # Overlapped: a failed update would surface a window later; the sum fails at the next step.
+    model = build("mlp")
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", overlap_step=True, **SETTINGS)
+    data = batches("mlp", 4)
+    train_steps(model, opt, data[:2])  # windows of 2: the first closes at step 2
+    cpu_adam._inject_failure_for_tests(1)
+    train_steps(model, opt, data[2:3])  # step 3's sum is queued on the pool, and fails there
+    with pytest.raises(cpu_adam.CPUAdamError, match="injected failure"):
+        train_steps(model, opt, data[3:4])
+    with pytest.raises(RuntimeError, match="earlier step failed.*injected failure"):
+        opt.flush()
+
+
 def test_failure_with_two_param_groups_reloads_exactly():
     def optimizer(model):
         groups = [{"params": model[0].parameters()}, {"params": model[2].parameters()}]
