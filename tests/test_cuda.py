@@ -20,10 +20,13 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
+import zenflow
 from tests.models import batches, build, loss_of
+from tests.zero_configs import overlapped_zenflow_zero
 from zenflow.optimizer import ZenFlowAdamW
 from zenflow.reference import ReferenceZenFlowAdamW
 from zenflow.runtime.comm import DataParallel
+from zenflow.runtime.selective_step import compiled_selective_adamw
 from zenflow.runtime.split_weight import SplitWeight
 from zenflow.runtime.streams import CopyStream, copy_stream
 
@@ -282,6 +285,23 @@ def test_overlapped_result_is_not_overwritten_while_its_copy_is_in_flight(cuda_f
     opt.flush()
     oracle_model, _ = reference_run(cuda_fp32, steps=16, flush=True, **settings)
     assert_close(list(model.parameters()), list(oracle_model.parameters()), **GPU_TOL)
+
+
+def test_the_device_update_on_cuda_runs_torchs_multi_tensor_kernels_by_default(cuda_fp32):
+    """step_backend "auto": no Inductor compile of the device update on a GPU, also after
+    engine.compile() (which compiles the model with Inductor)."""
+    model = build("mlp").to(cuda_fp32)
+    assert ZenFlowAdamW(model.parameters(), **SCHEDULE)._device_step is compiled_selective_adamw(
+        "eager"
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": overlapped_zenflow_zero(),
+    }
+    engine, *_ = zenflow.initialize(model=build("mlp").to(cuda_fp32), config=config)
+    engine.compile()
+    assert engine.optimizer._device_step is compiled_selective_adamw("eager")
 
 
 def test_bf16_model_trains_on_cuda(cuda_fp32):
