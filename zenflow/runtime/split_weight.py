@@ -489,9 +489,10 @@ class SplitWeight:
     def reselect(self, selected_columns: torch.Tensor) -> tuple[int, int]:
         """Adopt a new selection (ascending natural column indices). Only columns whose side
         changes move: a leaving column's device state (and staged gradient) goes to its owner's
-        host rows, an entering column's host state to every rank's device rows. Host rows are
-        reordered by swapping misplaced pairs and device rows by replacing leaving columns with
-        entering ones in place, so the work is proportional to the change, not to the weight.
+        host rows, an entering column's host state to every rank's device rows. Host rows take
+        a leaving column's state at its place in the new order (the place an entering column
+        left) and device rows replace leaving columns with entering ones in place, so the work
+        is proportional to the change, not to the weight.
         Returns the bytes this rank moved (to the host, to the device)."""
         columns, rank = self.columns, self.comm.rank
         old_selected, new_selected = self.order[: self.k].cpu(), selected_columns.cpu()
@@ -526,14 +527,20 @@ class SplitWeight:
             rows[owned] = _rows(host, host_row[entering[owned]])
             rows = self.comm.all_reduce_sum_(rows.to(self.param.device))
             entering_rows.append(rows.to(self.state_device))
+        # This block's new order swaps each misplaced front column (unselected now) with a
+        # misplaced back one (selected now). Host rows of selected columns are never read (their
+        # state is on the device), so only the columns going behind need rows there: a leaving
+        # column's from the device, written at its new place; an unselected one that the swap
+        # moves (this block's share of the selection grew) its own row, moved.
+        partitions = [_partition(order, now) for order in self.local_orders]
+        new_local_order, _, (front, back) = partitions[rank]
+        moved = ~was[self.local_order[front]]
+        new_host_row = torch.empty(columns, dtype=torch.int64)
+        new_host_row[new_local_order] = torch.arange(self.hi - self.lo)
         leaving_mine = leaving[mine[leaving]]
         for host, device in zip(host_state, device_state, strict=True):
-            _put_rows(host, host_row[leaving_mine], _rows(device, device_row[leaving_mine]))
-
-        partitions = [_partition(order, now) for order in self.local_orders]
-        targets, sources = partitions[rank][2]
-        for host in host_state:
-            _put_rows(host, targets, _rows(host, sources))
+            _put_rows(host, back[moved], _rows(host, front[moved]))
+            _put_rows(host, new_host_row[leaving_mine], _rows(device, device_row[leaving_mine]))
 
         if entering.numel() == leaving.numel():
             rows_to_fill = device_row[leaving].to(self.state_device)
@@ -703,15 +710,14 @@ def _put_rows(tensor: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> 
 
 def _partition(local_order: torch.Tensor, selected: torch.Tensor):
     """A block's new host row order for a new selection: selected columns in front, the rest
-    behind, by swapping each misplaced front row with a misplaced back row (every other row
-    keeps its place). Returns the new order, the front's size, and the swap as
-    ``(targets, sources)`` for ``rows[targets] = rows[sources]``."""
+    behind, by swapping each misplaced front position with a misplaced back one (every other
+    column keeps its place). Returns the new order, the front's size, and the swapped positions
+    ``(front, back)``: the column at ``front[i]`` goes to ``back[i]`` and the other way round."""
     in_front = selected[local_order]
     size = int(in_front.sum())
     position = torch.arange(local_order.numel())
     front = ((position < size) & ~in_front).nonzero().flatten()
     back = ((position >= size) & in_front).nonzero().flatten()
-    targets, sources = torch.cat([front, back]), torch.cat([back, front])
     order = local_order.clone()
-    order[targets] = local_order[sources]
-    return order, size, (targets, sources)
+    order[front], order[back] = local_order[back], local_order[front]
+    return order, size, (front, back)
