@@ -521,11 +521,18 @@ class SplitWeight:
         entering = new_selected[~was[new_selected]]
         leaving = old_selected[~now[old_selected]]
         entering_rows = []
+        owned = mine[entering]
         for host in host_state:
-            rows = torch.zeros(entering.numel(), *host.shape[1:], dtype=host.dtype)
-            owned = mine[entering]
-            rows[owned] = _rows(host, host_row[entering[owned]])
-            rows = self.comm.all_reduce_sum_(rows.to(self.param.device))
+            # Gathered into pinned memory on a GPU machine: the copy to the device runs at
+            # twice a pageable copy's bandwidth, without holding the host thread.
+            shape = (entering.numel(), *host.shape[1:])
+            if self.comm.world_size == 1:
+                rows = torch.empty(shape, dtype=host.dtype, pin_memory=self.pin_memory)
+                torch.index_select(host, 0, host_row[entering], out=rows)
+            else:
+                rows = torch.zeros(shape, dtype=host.dtype, pin_memory=self.pin_memory)
+                rows[owned] = _rows(host, host_row[entering[owned]])
+            rows = self.comm.all_reduce_sum_(rows.to(self.param.device, non_blocking=True))
             entering_rows.append(rows.to(self.state_device))
         # This block's new order swaps each misplaced front column (unselected now) with a
         # misplaced back one (selected now). Host rows of selected columns are never read (their
@@ -540,7 +547,8 @@ class SplitWeight:
         leaving_mine = leaving[mine[leaving]]
         for host, device in zip(host_state, device_state, strict=True):
             _put_rows(host, back[moved], _rows(host, front[moved]))
-            _put_rows(host, new_host_row[leaving_mine], _rows(device, device_row[leaving_mine]))
+            leaving_rows = self._on_host(_rows(device, device_row[leaving_mine]))
+            _put_rows(host, new_host_row[leaving_mine], leaving_rows)
 
         if entering.numel() == leaving.numel():
             rows_to_fill = device_row[leaving].to(self.state_device)
@@ -585,6 +593,14 @@ class SplitWeight:
                 self.host_stage = self.host_stage.to(self.param.device)
             self._scores = None
         return leaving_mine.numel() * self._row_bytes(), entering.numel() * self._row_bytes()
+
+    def _on_host(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` on the host; from a GPU through pinned memory (twice a pageable copy's
+        bandwidth)."""
+        if rows.device.type == "cpu":
+            return rows
+        landed = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=self.pin_memory)
+        return landed.copy_(rows)
 
     def _staged_block(self) -> torch.Tensor:
         """This rank's block of the staged gradient, fp32, in host row order (the rows of
