@@ -47,6 +47,10 @@ mkdir -p "$RES"
 RES=$(cd "$RES" && pwd)
 WHEELS=$(cd "$WHEELS" 2>/dev/null && pwd || echo "$WHEELS")
 cd "$ROOT" || exit 1
+# DeepSpeed's just-in-time builds go under RESULTS_DIR: the background build is stopped if it
+# is still running at the end, and a build killed midway leaves a lock that would hang every
+# later build sharing its folder (the user's default one, otherwise).
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$RES/torch_extensions}
 export PYTHON WHEELS RES PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 START=$SECONDS
 FAILED=0
@@ -57,7 +61,8 @@ printf '# gpu_check %s\n\n| stage | result | seconds |\n|---|---|---|\n' "$(date
 
 pack() {
     if [[ -n "$TAR" ]]; then
-        tar czf "$TAR.tmp" -C "$(dirname "$RES")" "$(basename "$RES")" && mv "$TAR.tmp" "$TAR"
+        tar czf "$TAR.tmp" --exclude=torch_extensions -C "$(dirname "$RES")" "$(basename "$RES")" &&
+            mv "$TAR.tmp" "$TAR"
     fi
 }
 

@@ -92,6 +92,9 @@ class _PendingUpdate:
     weights: list[SplitWeight]
     accumulators: list[torch.Tensor]
     stage_blocks: list[torch.Tensor | None]  # buffers it reads its last gradient from
+    # The updated rows in the parameters' 16-bit dtype, written by the job (None: fp32 weights,
+    # or an update restored from a checkpoint, whose rows are converted when written back).
+    rounded: list[torch.Tensor | None]
 
 
 @dataclass
@@ -615,6 +618,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             masters = [w.host_master[w.k_local :] for w in group_weights]
             exp_avgs = [w.host_exp_avg[w.k_local :] for w in group_weights]
             exp_avg_sqs = [w.host_exp_avg_sq[w.k_local :] for w in group_weights]
+            # A 16-bit model's new values are rounded by the job itself, in the same pass, so
+            # that writing them back converts nothing on the training thread.
+            rounded = [w.new_rounded_rows() for w in group_weights]
+            state["out16"] = rounded
             if self.accumulate_on_device:
                 sums = [w.ship_window_sum() for w in group_weights]
                 self._counters["d2h_bytes"] += sum(t.numel() * t.element_size() for t in sums)
@@ -641,6 +648,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 group_weights,
                 [w.accumulator for w in group_weights],
                 [w.last_grad_block for w in group_weights],
+                rounded,
             )
             if background:
                 if not self.accumulate_on_device:
@@ -662,15 +670,19 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if pending.handle is not None:
             self._collect(pending.handle, "cpu_adam_s")
         skipped = {id(w) for w in rewritten}
-        for w, used, block in zip(
-            pending.weights, pending.accumulators, pending.stage_blocks, strict=True
+        for w, used, block, rounded in zip(
+            pending.weights,
+            pending.accumulators,
+            pending.stage_blocks,
+            pending.rounded,
+            strict=True,
         ):
             if used is not w.accumulator:
                 w.spare_accumulator = used
             if block is not None:
                 w.release_block(block)
             if id(w) not in skipped:
-                self._counters["h2d_bytes"] += w.write_unselected()
+                self._counters["h2d_bytes"] += w.write_unselected(rounded)
 
     def _finish_pending(self, rewritten=()) -> None:
         for pending in self._pending:
@@ -832,7 +844,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for _, group_weights in self._by_group(pending):
             accumulators = [w.accumulator for w in group_weights]
             blocks = [None] * len(group_weights)
-            self._pending.append(_PendingUpdate(None, group_weights, accumulators, blocks))
+            rounded = [None] * len(group_weights)
+            self._pending.append(_PendingUpdate(None, group_weights, accumulators, blocks, rounded))
 
     def load_resharded(self, states: list[dict]) -> None:
         """Restore a run saved at another world size: ``states`` are the state dicts of all its

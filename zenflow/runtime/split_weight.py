@@ -650,12 +650,26 @@ class SplitWeight:
         self._param_rows().index_copy_(0, self.order[: self.k], values)
         return values.numel() * values.element_size()
 
-    def write_unselected(self) -> int:
+    def new_rounded_rows(self) -> torch.Tensor | None:
+        """A buffer for this rank's unselected rows in the parameter's 16-bit dtype, for a CPU
+        update to round its results into (pinned on a GPU machine: it is sent from there; torch
+        keeps it from reuse until the copy is done); None for an fp32 parameter."""
+        if self.param.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        rows = self.hi - self.lo - self.k_local
+        return torch.empty(rows, self.out, dtype=self.param.dtype, pin_memory=self.pin_memory)
+
+    def write_unselected(self, rounded: torch.Tensor | None = None) -> int:
         """Write every rank's unselected host rows into the parameter; returns the bytes this
-        rank sent from its host to its device."""
+        rank sent from its host to its device. ``rounded``: those rows already in the
+        parameter's dtype (``new_rounded_rows``, filled by the update); else they are converted
+        here."""
         # Each rank sends its own rows to its device and the ranks gather them there (over
         # NVLink, with NCCL), rather than gathering on the host and each sending them all.
-        mine = self._to_device(self.host_master[self.k_local :], "unselected")
+        if rounded is None:
+            mine = self._to_device(self.host_master[self.k_local :], "unselected")
+        else:
+            mine, _ = copy_stream(self.param.device).copy_to_device(rounded)
         rows = self.comm.all_gather_rows(mine, self.unselected_counts)
         self._param_rows().index_copy_(0, self.order[self.k :], rows)
         return mine.numel() * mine.element_size()
