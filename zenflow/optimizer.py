@@ -41,8 +41,9 @@ from zenflow.runtime.split_weight import SplitWeight
 # kernel launches on a GPU machine; its compute on a CPU-only one, where on 2 cores this moves
 # the cost from the steps inside the window to the wait at its close: the mean step is the same).
 BACKGROUND_NICE = 10
-# Steps whose unselected rows may wait in the CPU pool's queue (each holds a staging block).
-ACCUMULATIONS_QUEUED = 2
+# Steps whose unselected rows may wait in the CPU pool's queue: each holds a staging block (a
+# pinned copy of the weights' unselected gradient rows on a GPU machine), so one, not more.
+ACCUMULATIONS_QUEUED = 1
 
 
 def _traced(name: str):
