@@ -373,11 +373,17 @@ def _submit(
 
     hyper = _Hyper(float(lr), float(beta1), float(beta2), float(eps), float(weight_decay))
     hyper.grad_scale = float(grad_scale)
+    return _queue(lib, lib.zf_submit, records, count, hyper, keepalive, "CPU AdamW")
+
+
+def _queue(lib, submit, records, count: int, hyper: _Hyper, keepalive, what: str) -> CPUAdamHandle:
+    """Hands ``count`` tensor records to a csrc ``submit`` entry point; the handle of the queued
+    job, or ValueError with csrc's reason."""
     handle = ctypes.c_void_p()
     err = ctypes.create_string_buffer(512)
-    rc = lib.zf_submit(records, count, ctypes.byref(hyper), ctypes.byref(handle), err, len(err))
+    rc = submit(records, count, ctypes.byref(hyper), ctypes.byref(handle), err, len(err))
     if rc != 0:
-        raise ValueError(f"CPU AdamW rejected the job: {err.value.decode(errors='replace')}")
+        raise ValueError(f"{what} rejected the job: {err.value.decode(errors='replace')}")
     return CPUAdamHandle(lib, handle.value, keepalive)
 
 
@@ -489,11 +495,8 @@ def submit_accumulate(
         r.accumulator, r.numel = acc.data_ptr(), acc.numel()
         r.grad, r.grad_dtype = grad.data_ptr(), _GRAD_DTYPES[grad.dtype]
     hyper = _Hyper(grad_scale=float(scale))
-    handle = ctypes.c_void_p()
-    err = ctypes.create_string_buffer(512)
-    rc = lib.zf_submit_accumulate(
-        records, len(accumulators), ctypes.byref(hyper), ctypes.byref(handle), err, len(err)
+    keepalive = [list(accumulators), list(grads)]
+    count = len(accumulators)
+    return _queue(
+        lib, lib.zf_submit_accumulate, records, count, hyper, keepalive, "CPU accumulation"
     )
-    if rc != 0:
-        raise ValueError(f"CPU accumulation rejected: {err.value.decode(errors='replace')}")
-    return CPUAdamHandle(lib, handle.value, [list(accumulators), list(grads)])
