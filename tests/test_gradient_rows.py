@@ -14,11 +14,16 @@ from zenflow.runtime.split_weight import SplitWeight
 OUT, COLUMNS, SELECTED = 24, 40, (3, 7, 11, 30)
 
 
-def split_weight(accumulate_on_device: bool) -> SplitWeight:
+def split_weight(accumulate_on_device: bool, selected=SELECTED) -> SplitWeight:
+    """``selected`` None: no selection yet, every column in its natural place."""
     param = torch.nn.Parameter(torch.randn(OUT, COLUMNS, generator=torch.Generator()))
     w = SplitWeight(param, 0, DataParallel(), pin=False, accumulate_on_device=accumulate_on_device)
-    w.reselect(torch.tensor(SELECTED))
+    if selected is not None:
+        w.reselect(torch.tensor(selected))
     return w
+
+
+SELECTIONS = [SELECTED, None]
 
 
 def hand_over(w: SplitWeight, form: str, x: torch.Tensor, dy: torch.Tensor) -> None:
@@ -38,12 +43,13 @@ FORMS = ["matmul", "transposed view", "contiguous"]
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("batch", [8, 32])  # below and above OUT: either operand is gathered
 @pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("selected", SELECTIONS)
 def test_rows_scores_and_norm_are_the_gradients(
-    form, batch, accumulate_on_device, micro_batches, staging
+    form, batch, accumulate_on_device, micro_batches, selected, staging
 ):
     assert FACTOR_RATIO * batch > min(OUT, COLUMNS)  # rows, not factors
     g = torch.Generator().manual_seed(batch)
-    w = split_weight(accumulate_on_device)
+    w = split_weight(accumulate_on_device, selected)
     grad_t = torch.zeros(COLUMNS, OUT)
     for _ in range(micro_batches):
         x, dy = torch.randn(batch, COLUMNS, generator=g), torch.randn(batch, OUT, generator=g)
@@ -88,6 +94,30 @@ def test_one_process_on_the_cpu_forms_the_rows_in_the_host_block(form, monkeypat
     assert len(blocks) == 1
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_columns_in_their_natural_places_are_formed_without_a_gather(form, monkeypatch):
+    """Before the first selection (and with topk 0, always) the rows' order is the gradient's
+    own: they are formed with no index to gather by; after a selection, by its order."""
+    indexes = []
+    for name in ("matmul_rows", "gather_rows"):
+        formed = getattr(split_weight_module, name)
+
+        def recording(*args, formed=formed, out=None):
+            indexes.append(args[-1])
+            return formed(*args, out=out)
+
+        monkeypatch.setattr(split_weight_module, name, recording)
+    w = split_weight(accumulate_on_device=False, selected=None)
+    x, dy = torch.randn(16, COLUMNS), torch.randn(16, OUT)
+    hand_over(w, form, x, dy)
+    assert indexes == [None]
+    w.discard_staged()
+    w.reselect(torch.tensor(SELECTED))
+    indexes.clear()
+    hand_over(w, form, x, dy)
+    assert len(indexes) == 1 and torch.equal(indexes[0], w.order)
+
+
 def test_a_small_batch_is_kept_as_factors_only_where_the_host_stages():
     x, dy = torch.randn(2, COLUMNS), torch.randn(2, OUT)
     on_host, on_device = split_weight(False), split_weight(True)
@@ -127,9 +157,12 @@ def test_tiled_gather_refuses_an_index_out_of_range_and_writes_nothing():
 
 @pytest.mark.parametrize("accumulate_on_device", [False, True])
 @pytest.mark.parametrize("batch", [2, 32])  # a small batch is not kept as factors with a lookup
-def test_a_tied_tables_lookup_gradient_is_added_into_its_columns(batch, accumulate_on_device):
+@pytest.mark.parametrize("selected", SELECTIONS)
+def test_a_tied_tables_lookup_gradient_is_added_into_its_columns(
+    batch, accumulate_on_device, selected
+):
     g = torch.Generator().manual_seed(1)
-    w = split_weight(accumulate_on_device)
+    w = split_weight(accumulate_on_device, selected)
     x, dy = torch.randn(batch, COLUMNS, generator=g), torch.randn(batch, OUT, generator=g)
     ids = torch.randint(0, OUT, (9,), generator=g)  # repeats: their gradients add up
     rows = torch.randn(9, COLUMNS, generator=g)
@@ -142,9 +175,12 @@ def test_a_tied_tables_lookup_gradient_is_added_into_its_columns(batch, accumula
 
 
 @pytest.mark.parametrize("accumulate_on_device", [False, True])
-def test_a_tables_lookup_gradient_alone_is_its_rows_in_their_columns(accumulate_on_device):
+@pytest.mark.parametrize("selected", SELECTIONS)
+def test_a_tables_lookup_gradient_alone_is_its_rows_in_their_columns(
+    accumulate_on_device, selected
+):
     g = torch.Generator().manual_seed(2)
-    w = split_weight(accumulate_on_device)
+    w = split_weight(accumulate_on_device, selected)
     for _ in range(2):  # the second step reuses the first one's host block: it must start at 0
         ids = torch.randint(0, OUT, (9,), generator=g)
         rows = torch.randn(9, COLUMNS, generator=g)

@@ -5,7 +5,9 @@ Backward graphs hand a weight's gradient to the runtime in one of two forms: a m
 factors, ``G.T == a @ b`` (``a``: ``[columns, batch]``, ``b``: ``[batch, out]``), or ``G.T``
 itself, with whatever strides the graph produced it in. The runtime wants the rows of some
 columns (the selected ones; the unselected ones in its host order), written once, where they
-stay, rather than formed in natural order, gathered, and copied again.
+stay, rather than formed in natural order, gathered, and copied again. An index of None means
+every column in its natural place (no selection yet, or ``topk_ratio`` 0): the rows are then
+formed without a gather.
 """
 
 import torch
@@ -30,12 +32,17 @@ def factors_pay(a: torch.Tensor, b: torch.Tensor) -> bool:
     return FACTOR_RATIO * batch <= min(columns, b.shape[1])
 
 
-def gather_rows(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None):
-    """``rows[index]`` for a 2-D tensor of any strides, into ``out`` when given.
+def gather_rows(rows: torch.Tensor, index: torch.Tensor | None, out: torch.Tensor | None = None):
+    """``rows[index]`` for a 2-D tensor of any strides, into ``out`` when given; a new tensor
+    otherwise, even for index None (the graph may reuse the memory of ``rows``).
 
     A transposed view of a row-major matrix on the CPU (a gradient the graph produced as
     ``[out, columns]``) is gathered by csrc's tiled kernel: torch's strided copy would read it
     one element per cache line, several times slower."""
+    if index is None:
+        if rows.is_contiguous():
+            return rows.clone() if out is None else out.copy_(rows)
+        index = torch.arange(rows.shape[0])
     index = index.to(rows.device)
     if out is None:
         out = rows.new_empty(index.numel(), rows.shape[1])
@@ -79,13 +86,15 @@ def _is_host_transpose(rows: torch.Tensor) -> bool:
 
 
 def matmul_rows(
-    a: torch.Tensor, b: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None
+    a: torch.Tensor, b: torch.Tensor, index: torch.Tensor | None, out: torch.Tensor | None = None
 ):
     """``(a @ b)[index]``, into ``out`` when given. The product is formed and its rows
     gathered (contiguous rows, the cheapest gather), unless the batch is small against the
     product's width (``OPERAND_GATHER_RATIO``): then the rows of ``a`` are gathered before the
     product, which moves far fewer bytes (``a`` is usually a transposed activation, gathered
     along its contiguous dimension)."""
+    if index is None:
+        return torch.mm(a, b, out=out) if out is not None else torch.mm(a, b)
     index = index.to(a.device)
     if OPERAND_GATHER_RATIO * a.shape[1] > b.shape[1]:
         return gather_rows(torch.mm(a, b), index, out=out)
@@ -100,12 +109,15 @@ def with_lookup_added(rows_in_order, lookup_rows, lookup_ids, index, out=None):
     """``rows_in_order(out)`` (G.T's rows at the columns ``index``) plus a lookup's gradient:
     ``lookup_rows[t]`` (``[tokens, columns]``) added into column ``lookup_ids[t]``."""
     rows = rows_in_order(out=out)
-    by_column = lookup_rows.index_select(1, index.to(lookup_rows.device)).t()
+    if index is None:
+        by_column = lookup_rows.t()
+    else:
+        by_column = lookup_rows.index_select(1, index.to(lookup_rows.device)).t()
     return rows.index_add_(1, lookup_ids.to(rows.device), by_column.to(rows.dtype))
 
 
-def zero_rows(like: torch.Tensor, index: torch.Tensor, width: int, out=None) -> torch.Tensor:
-    """Zero rows for the columns ``index`` (``like``'s dtype and device), into ``out`` when given."""
+def zero_rows(like: torch.Tensor, count: int, width: int, out=None) -> torch.Tensor:
+    """``count`` zero rows (``like``'s dtype and device), into ``out`` when given."""
     if out is None:
-        return like.new_zeros(index.numel(), width)
+        return like.new_zeros(count, width)
     return out.zero_()

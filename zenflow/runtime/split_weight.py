@@ -117,6 +117,21 @@ class SplitWeight:
         self.device_steps = torch.empty(0, dtype=torch.int64, device=device)
 
     @property
+    def order(self) -> torch.Tensor:
+        """Every column, in the order of the rows the runtime keeps: the selected ones first."""
+        return self._order
+
+    @order.setter
+    def order(self, order: torch.Tensor) -> None:
+        self._order = order
+        # Columns in their natural places (no selection yet, or topk 0): a gradient's rows are
+        # formed in that order already, with no gather (gradient_rows: index None).
+        natural = order.numel() == self.columns and torch.equal(
+            order.cpu(), torch.arange(self.columns)
+        )
+        self.rows_index = None if natural else order
+
+    @property
     def local_order(self) -> torch.Tensor:
         """This rank's host rows' columns: its block's selected columns first, then the rest."""
         return self.local_orders[self.comm.rank]
@@ -158,22 +173,22 @@ class SplitWeight:
         ):
             self.stage_factors(columns_by_batch, out_grad)
             return
-        rows = functools.partial(matmul_rows, columns_by_batch, out_grad, self.order)
+        rows = functools.partial(matmul_rows, columns_by_batch, out_grad, self.rows_index)
         if lookup is not None:
-            rows = functools.partial(with_lookup_added, rows, *lookup, self.order)
+            rows = functools.partial(with_lookup_added, rows, *lookup, self.rows_index)
         self._stage_rows(rows, columns_by_batch.dtype)
 
     def stage_lookup(self, lookup_rows: torch.Tensor, lookup_ids: torch.Tensor) -> None:
         """This micro-batch's gradient of an embedding table: ``G.T`` zero but for
         ``lookup_rows[t]`` (``[tokens, columns]``) added into column ``lookup_ids[t]``."""
-        rows = functools.partial(zero_rows, lookup_rows, self.order, self.out)
-        rows = functools.partial(with_lookup_added, rows, lookup_rows, lookup_ids, self.order)
+        rows = functools.partial(zero_rows, lookup_rows, self.columns, self.out)
+        rows = functools.partial(with_lookup_added, rows, lookup_rows, lookup_ids, self.rows_index)
         self._stage_rows(rows, lookup_rows.dtype)
 
     def stage_columns(self, columns_by_out: torch.Tensor) -> None:
         """This micro-batch's gradient as ``G.T`` (``[columns, out]``, natural column order, any
         strides)."""
-        rows = functools.partial(gather_rows, columns_by_out, self.order)
+        rows = functools.partial(gather_rows, columns_by_out, self.rows_index)
         self._stage_rows(rows, columns_by_out.dtype)
 
     def _stage_rows(self, rows_in_order, dtype: torch.dtype) -> None:
