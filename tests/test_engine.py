@@ -390,7 +390,7 @@ def test_compile_routes_calls_through_the_compiled_module():
     module = engine.module
     engine.compile(options={"inner": "eager"})
     assert engine.module is module
-    assert engine.optimizer._device_step is compiled_selective_adamw("eager")
+    assert engine.optimizer.step_backend == "eager"
     train(engine, 2)
     train(reference, 2)
     for mine, theirs in zip(engine.module.parameters(), reference.module.parameters(), strict=True):
@@ -400,8 +400,9 @@ def test_compile_routes_calls_through_the_compiled_module():
 
 def test_compile_with_inductor_compiles_the_optimizer_step_too():
     engine, *_ = zenflow.initialize(model=mlp(), config=config(zenflow_zero()))
+    assert engine.optimizer.step_backend == "eager"  # not compiled: nothing is compiled
     engine.compile()  # compiles lazily: nothing runs here
-    # The engine reaches into ZenFlowAdamW for this (no public switch yet): keep them in step.
+    assert engine.optimizer.step_backend == "inductor"
     assert engine.optimizer._device_step is compiled_selective_adamw("inductor")
 
 

@@ -285,6 +285,16 @@ def test_step_backend_auto_compiles_the_device_update_on_the_cpu_only(requested,
     assert step_backend_for(requested, torch.device(device)) == backend
 
 
+def test_step_backend_reads_back_what_it_resolved_to_and_can_be_changed():
+    opt = ZenFlowAdamW(build("mlp").parameters(), **SETTINGS)  # "auto", on the CPU
+    assert opt.step_backend == "inductor"
+    opt.step_backend = "eager"
+    assert opt.step_backend == "eager"
+    with pytest.raises(ValueError, match="step_backend must be one of"):
+        opt.step_backend = "fast"
+    assert opt.step_backend == "eager"
+
+
 def test_the_step_shows_its_phases_in_a_profiler_trace():
     data = batches("mlp", 12)
     model = build("mlp")

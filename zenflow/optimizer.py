@@ -114,7 +114,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     ``max_grad_norm`` (clip by global norm each step), ``step_backend``: "inductor" compiles
     the device update, "eager" runs it as plain PyTorch (``torch._foreach`` ops), "auto"
     (default) picks eager for parameters on a GPU and Inductor on the CPU (see
-    ``zenflow.runtime.selective_step.step_backend_for``), and ``nonfinite``:
+    ``zenflow.runtime.selective_step.step_backend_for``; settable later, as
+    ``opt.step_backend = "auto"``; reads back the backend it resolved to), and ``nonfinite``:
     what a step whose gradient norm is NaN or infinite does. "raise" (default) raises
     ``NonFiniteGradientError``; "skip" skips it (counted in ``stats()["skipped_steps"]``, see
     ``last_step_skipped``), as fp16 loss scaling needs. Either way nothing is committed.
@@ -188,9 +189,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.overlap_step = settings.overlap_step
         self.full_warm_up_rounds = settings.full_warm_up_rounds
         self.max_grad_norm = max_grad_norm
-        self._device_step = compiled_selective_adamw(
-            step_backend_for(step_backend, self._device_of_params())
-        )
+        self.step_backend = step_backend
         self.comm = DataParallel(zero_stage, process_group)
         self._cpu_threads = cpu_adam.threads_from_reserved_cores(settings.pt_reserved_cores_perc)
         cpu_adam.set_num_threads(self._cpu_threads)
@@ -261,6 +260,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 f"with strides {p.stride()}: make it contiguous before creating the optimizer"
             )
         return SplitWeight(p, group_index, comm, True, offload, on_device)
+
+    @property
+    def step_backend(self) -> str:
+        """How the selected columns' AdamW update runs: "inductor" or "eager"."""
+        return self._step_backend
+
+    @step_backend.setter
+    def step_backend(self, requested: str) -> None:
+        self._step_backend = step_backend_for(requested, self._device_of_params())
+        self._device_step = compiled_selective_adamw(self._step_backend)
 
     # Gradients.
 

@@ -40,7 +40,6 @@ from zenflow.optimizer import NonFiniteGradientError, ZenFlowAdamW
 from zenflow.runtime import checkpoint
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.loss_scaler import LossScaler
-from zenflow.runtime.selective_step import compiled_selective_adamw, step_backend_for
 
 # Set by torchrun and by the deepspeed launcher.
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
@@ -315,10 +314,8 @@ class Engine:
         uses_inductor = backend == "inductor" or (backend == "zenflow" and inner == "inductor")
         if isinstance(self.optimizer, ZenFlowAdamW) and uses_inductor:
             # The device update as step_backend "auto" runs it (Inductor on the CPU, torch's
-            # multi-tensor kernels on a GPU); ZenFlowAdamW fixes its step backend when built
-            # and has no public switch yet.
-            device = next(self.module.parameters()).device
-            self.optimizer._device_step = compiled_selective_adamw(step_backend_for("auto", device))
+            # multi-tensor kernels on a GPU); uncompiled engines keep it eager.
+            self.optimizer.step_backend = "auto"
 
     def flush(self) -> None:
         """Apply every pending ZenFlow update (overlapped CPU update, open window)."""
