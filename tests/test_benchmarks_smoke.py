@@ -35,6 +35,7 @@ def test_bench_compile_overhead_quick():
     out = _run("bench_compile_overhead.py")
     assert "## backward" in out and "ratio" in out
     assert "step kind" in out and "select (reselection)" in out
+    assert "## host time added per weight" in out
 
 
 def test_bench_demo_gap_quick():

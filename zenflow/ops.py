@@ -1,4 +1,4 @@
-"""The custom ops zenflow's passes insert into backward graphs: schemas and fake kernels.
+"""The custom ops zenflow's passes insert into backward graphs: schemas, kernels, fake kernels.
 
 Each op hands one weight's gradient to the runtime that owns it, named by its registry slot (an
 int), so graphs stay free of Python objects. The runtime forms the gradient's rows in its own
@@ -6,14 +6,33 @@ column order, straight into the buffers that keep them, and takes per-column imp
 the step needs it: the graph itself never forms a full-size gradient it would then copy. The
 ops exist for their side effect, so they are registered with ``torch.fx.node.has_side_effect``:
 without it FX and Inductor would delete them as dead code.
+
+They are defined with ``torch.library.Library`` rather than ``torch.library.custom_op``: they
+return nothing and never need autograd, and the higher-level wrapper (an autograd function,
+alias checks, a dynamo-disabled frame) cost more host time per call than the rest of a small
+weight's hand-over; a backward calls one per weight.
 """
 
 import torch
 
 from zenflow.runtime import registry
 
+_LIBRARY = torch.library.Library("zenflow", "DEF")
 
-@torch.library.custom_op("zenflow::stage_matmul", mutates_args=())
+
+def _define(schema: str, kernel) -> None:
+    name = schema.split("(", 1)[0]
+    _LIBRARY.define(schema)
+    _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"zenflow::{name}", _hands_over_only, lib=_LIBRARY)
+    torch.fx.node.has_side_effect(getattr(torch.ops.zenflow, name).default)
+
+
+def _hands_over_only(*args) -> None:
+    """The ops' fake kernel: they return nothing; their effect is on the runtime."""
+    return None
+
+
 def stage_matmul(columns_by_batch: torch.Tensor, out_grad: torch.Tensor, slot: int) -> None:
     """Hand the weight's gradient to the runtime as a matmul's factors, ``G.T ==
     columns_by_batch @ out_grad`` (``[columns, batch]`` and ``[batch, out]``): the runtime
@@ -22,7 +41,6 @@ def stage_matmul(columns_by_batch: torch.Tensor, out_grad: torch.Tensor, slot: i
     registry.owner(slot).stage_matmul(columns_by_batch, out_grad)
 
 
-@torch.library.custom_op("zenflow::stage_matmul_lookup", mutates_args=())
 def stage_matmul_lookup(
     columns_by_batch: torch.Tensor,
     out_grad: torch.Tensor,
@@ -37,29 +55,23 @@ def stage_matmul_lookup(
     registry.owner(slot).stage_matmul(columns_by_batch, out_grad, (lookup_rows, lookup_ids))
 
 
-@torch.library.custom_op("zenflow::stage_lookup", mutates_args=())
 def stage_lookup(lookup_rows: torch.Tensor, lookup_ids: torch.Tensor, slot: int) -> None:
     """Hand over an embedding table's gradient: zero but for each looked-up token ``t``,
     ``lookup_rows[t]`` (``[tokens, columns]``) added into column ``lookup_ids[t]`` of ``G.T``."""
     registry.owner(slot).stage_lookup(lookup_rows, lookup_ids)
 
 
-@torch.library.custom_op("zenflow::stage_columns", mutates_args=())
 def stage_columns(columns_by_out: torch.Tensor, slot: int) -> None:
     """Hand the weight's gradient to the runtime as ``G.T`` (``[columns, out]``, row ``j`` is
     column ``j``, any strides): the runtime gathers its rows in its column order."""
     registry.owner(slot).stage_columns(columns_by_out)
 
 
-def _hands_over_only(*args) -> None:
-    """The ops' fake kernel: they return nothing; their effect is on the runtime."""
-    return None
-
-
-for _op in (stage_matmul, stage_matmul_lookup, stage_lookup, stage_columns):
-    _op.register_fake(_hands_over_only)
-
-torch.fx.node.has_side_effect(torch.ops.zenflow.stage_matmul.default)
-torch.fx.node.has_side_effect(torch.ops.zenflow.stage_matmul_lookup.default)
-torch.fx.node.has_side_effect(torch.ops.zenflow.stage_lookup.default)
-torch.fx.node.has_side_effect(torch.ops.zenflow.stage_columns.default)
+_define("stage_matmul(Tensor columns_by_batch, Tensor out_grad, int slot) -> ()", stage_matmul)
+_define(
+    "stage_matmul_lookup(Tensor columns_by_batch, Tensor out_grad, Tensor lookup_rows, "
+    "Tensor lookup_ids, int slot) -> ()",
+    stage_matmul_lookup,
+)
+_define("stage_lookup(Tensor lookup_rows, Tensor lookup_ids, int slot) -> ()", stage_lookup)
+_define("stage_columns(Tensor columns_by_out, int slot) -> ()", stage_columns)

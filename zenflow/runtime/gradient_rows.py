@@ -43,7 +43,7 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor | None, out: torch.Tenso
         if rows.is_contiguous():
             return rows.clone() if out is None else out.copy_(rows)
         index = torch.arange(rows.shape[0])
-    index = index.to(rows.device)
+    index = _on(index, rows.device)
     if out is None:
         out = rows.new_empty(index.numel(), rows.shape[1])
     fits = (
@@ -71,6 +71,12 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor | None, out: torch.Tenso
     return torch.index_select(rows, 0, index, out=out)
 
 
+def _on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # The runtime keeps its orders where the gradients are: no ``.to`` call (a few us of host
+    # time, once per weight and backward) unless one is needed.
+    return index if index.device == device else index.to(device)
+
+
 def _is_host_transpose(rows: torch.Tensor) -> bool:
     """A 2-D CPU tensor whose columns are contiguous (the transpose of a row-major matrix),
     large enough for csrc's tiled gather to pay."""
@@ -95,7 +101,7 @@ def matmul_rows(
     along its contiguous dimension)."""
     if index is None:
         return torch.mm(a, b, out=out) if out is not None else torch.mm(a, b)
-    index = index.to(a.device)
+    index = _on(index, a.device)
     if OPERAND_GATHER_RATIO * a.shape[1] > b.shape[1]:
         return gather_rows(torch.mm(a, b), index, out=out)
     if a.t().is_contiguous():
@@ -112,7 +118,7 @@ def with_lookup_added(rows_in_order, lookup_rows, lookup_ids, index, out=None):
     if index is None:
         by_column = lookup_rows.t()
     else:
-        by_column = lookup_rows.index_select(1, index.to(lookup_rows.device)).t()
+        by_column = lookup_rows.index_select(1, _on(index, lookup_rows.device)).t()
     return rows.index_add_(1, lookup_ids.to(rows.device), by_column.to(rows.dtype))
 
 
