@@ -125,10 +125,9 @@ class SplitWeight:
     def order(self, order: torch.Tensor) -> None:
         self._order = order
         # Columns in their natural places (no selection yet, or topk 0): a gradient's rows are
-        # formed in that order already, with no gather (gradient_rows: index None).
-        natural = order.numel() == self.columns and torch.equal(
-            order.cpu(), torch.arange(self.columns)
-        )
+        # formed in that order already, with no gather (gradient_rows: index None). Set with
+        # ``k`` already set; a selection is taken as reordering (no device sync to compare).
+        natural = self.k == 0 and torch.equal(order.cpu(), torch.arange(self.columns))
         self.rows_index = None if natural else order
 
     @property
