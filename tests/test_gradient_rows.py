@@ -147,6 +147,25 @@ def test_tiled_gather_of_a_transposed_matrix_equals_indexing(dtype, picked):
     assert torch.equal(gather_rows(columns_by_out, index), columns_by_out[index])
 
 
+@pytest.mark.parametrize("strided", ["transposed", "every other column", "contiguous"])
+def test_the_natural_order_is_a_contiguous_copy_of_any_strides(strided):
+    """Index None (columns in their natural places): the rows as they are, copied (the graph
+    may reuse the source's memory once the op returns), by csrc's tiled kernel for a large
+    transposed view."""
+    wide = torch.randn(700, 130, generator=torch.Generator().manual_seed(4))
+    columns_by_out = {
+        "transposed": wide[:, :97].t(),
+        "every other column": wide.t()[:, ::2],
+        "contiguous": wide.t().contiguous(),
+    }[strided]
+    out = torch.full(columns_by_out.shape, float("nan"))
+    assert gather_rows(columns_by_out, None, out=out) is out
+    assert torch.equal(out, columns_by_out)
+    copy = gather_rows(columns_by_out, None)
+    assert copy.is_contiguous() and torch.equal(copy, columns_by_out)
+    assert copy.untyped_storage().data_ptr() != columns_by_out.untyped_storage().data_ptr()
+
+
 def test_tiled_gather_refuses_an_index_out_of_range_and_writes_nothing():
     columns_by_out = torch.randn(1000, 100).t()
     out = torch.zeros(2, 1000)

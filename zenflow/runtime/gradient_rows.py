@@ -40,8 +40,12 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor | None, out: torch.Tenso
     ``[out, columns]``) is gathered by csrc's tiled kernel: torch's strided copy would read it
     one element per cache line, several times slower."""
     if index is None:
-        if rows.is_contiguous():
-            return rows.clone() if out is None else out.copy_(rows)
+        if not _is_host_transpose(rows):
+            return (
+                rows.clone(memory_format=torch.contiguous_format)
+                if out is None
+                else out.copy_(rows)
+            )
         index = torch.arange(rows.shape[0])
     index = _on(index, rows.device)
     if out is None:
@@ -119,7 +123,7 @@ def with_lookup_added(rows_in_order, lookup_rows, lookup_ids, index, out=None):
         by_column = lookup_rows.t()
     else:
         by_column = lookup_rows.index_select(1, _on(index, lookup_rows.device)).t()
-    return rows.index_add_(1, lookup_ids.to(rows.device), by_column.to(rows.dtype))
+    return rows.index_add_(1, _on(lookup_ids, rows.device), by_column.to(rows.dtype))
 
 
 def zero_rows(like: torch.Tensor, count: int, width: int, out=None) -> torch.Tensor:
