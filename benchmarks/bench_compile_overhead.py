@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_compile_overhead.py [--quick] [--iters 40]
         [--vocab 4096] [--width 256] [--layers 2] [--heads 4] [--seq 128] [--batch 4]
+    .venv/bin/python benchmarks/bench_compile_overhead.py --hand-over-only [--device cuda]
 
 A GPT-style model (token + position embeddings, pre-LN blocks with
 F.scaled_dot_product_attention, LM head tied to the token embedding) is compiled twice, in one
@@ -30,6 +31,8 @@ Table 3: the host time zenflow adds per weight to a backward pass, where compute
 (24 linear layers 64x64, 64 rows, after a selection; zenflow with inner "eager" against
 aot_eager, alternating, medians): the op's dispatch and the runtime's bookkeeping per weight,
 the cost that makes a GPU's backward host-bound when it is large against the kernels.
+``--hand-over-only`` measures this table alone, on ``--device`` (on a GPU the gradients take the
+copy stream to pinned host buffers; host time, the launch queue drained before each pass).
 """
 
 import argparse
@@ -69,6 +72,10 @@ def _args(argv=None):
         help="inductor (default) compares zenflow+Inductor with Inductor; eager compares "
         'zenflow options={"inner": "eager"} with aot_eager (no Inductor; --quick)',
     )
+    parser.add_argument(
+        "--hand-over-only", action="store_true", help="only the host time added per weight"
+    )
+    parser.add_argument("--device", default="cpu", help="for --hand-over-only: cpu or cuda")
     args = parser.parse_args(argv)
     quick = dict(
         iters=5, cycles=2, vocab=64, width=32, layers=1, heads=2, seq=16, batch=2, inner="eager"
@@ -113,6 +120,9 @@ def main() -> None:
         f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, python {platform.python_version()}"
     )
+    if args.hand_over_only:
+        _hand_over_cost(iters=50 if args.quick else 300, device=torch.device(args.device))
+        return
     zf_model, ref_model = _model(args), _model(args)
     params = sum(p.numel() for p in zf_model.parameters())
     print(
@@ -233,23 +243,26 @@ def main() -> None:
         f"optimizer_wait_s {stats['optimizer_wait_s']:.3f}, cpu_adam_s {stats['cpu_adam_s']:.3f}"
     )
     opt.flush()
-    _hand_over_cost(iters=50 if args.quick else 300)
+    _hand_over_cost(iters=50 if args.quick else 300, device=torch.device("cpu"))
 
 
-def _hand_over_cost(iters: int, layers: int = 24, width: int = 64) -> None:
+def _hand_over_cost(iters: int, device: torch.device, layers: int = 24, width: int = 64) -> None:
     torch.manual_seed(0)
 
     def stack() -> torch.nn.Sequential:
-        return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+        layer = [torch.nn.Linear(width, width, device=device) for _ in range(layers)]
+        return torch.nn.Sequential(*layer)
 
     zf_model, ref_model = stack(), stack()
     opt = zenflow.ZenFlowAdamW(zf_model.parameters(), lr=1e-4, step_backend="eager", **SETTINGS)
     zf = torch.compile(zf_model, backend="zenflow", options={"inner": "eager"})
     ref = torch.compile(ref_model, backend="aot_eager")
-    x = torch.randn(64, width)
+    x = torch.randn(64, width, device=device)
 
     def backward(model) -> float:
         loss = model(x).square().mean()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         started = time.perf_counter()
         loss.backward()
         return time.perf_counter() - started
@@ -268,7 +281,7 @@ def _hand_over_cost(iters: int, layers: int = 24, width: int = 64) -> None:
     added = statistics.median(zf_times) - statistics.median(ref_times)
     print(
         f"\n## host time added per weight ({layers} linear layers {width}x{width}, {x.shape[0]} "
-        f"rows, median of {iters} backward passes): {1e6 * added / layers:.0f} us "
+        f"rows, {device.type}, median of {iters} backward passes): {1e6 * added / layers:.0f} us "
         f"(zenflow inner eager {1e3 * statistics.median(zf_times):.2f} ms, aot_eager "
         f"{1e3 * statistics.median(ref_times):.2f} ms)"
     )

@@ -22,6 +22,8 @@
 #                    (builds csrc/ into zenflow/_cpu_adam*.so); then, in the background, the
 #                    just-in-time build of DeepSpeed's CPU Adam, so that its row does not pay it
 #   tests      75 s  python -m pytest -m cuda tests/test_cuda.py
+#   hand-over  30 s  bench_compile_overhead.py --hand-over-only --device cuda (host time the
+#                    backward's hand-over ops add per weight, through the copy stream)
 #   zenflow   200 s  bench_gpu_step.py --peers zenflow     (Inductor compile + 8 + 16 + 8 steps;
 #                    on an H200 the first step, compiles included, took 122 s)
 #   ds-offload 90 s  bench_gpu_step.py --peers ds-offload  (3 + 16 + 4 steps)
@@ -145,13 +147,17 @@ tests() {
         --durations=8 --junitxml "$RES/tests.xml" -o junit_family=xunit2
 }
 
+hand_over() {
+    "$PYTHON" benchmarks/bench_compile_overhead.py --hand-over-only --device cuda
+}
+
 bench() { # bench ROW [OPTIONS...]
     local row=$1
     shift
     "$PYTHON" benchmarks/bench_gpu_step.py --device cuda --out "$RES" --peers "$row" "$@"
 }
 
-export -f env_info install ds_cpu_adam_build tests bench
+export -f env_info install ds_cpu_adam_build tests hand_over bench
 
 stage env 10 env_info
 stage install 90 install
@@ -160,6 +166,7 @@ if grep -q "^deepspeed " "$RES/install.log"; then
     BACKGROUND+=($!)
 fi
 stage tests 75 tests
+stage hand-over 30 hand_over
 stage zenflow 200 "bench zenflow"
 ds_options=""
 build_log=$RES/ds_cpu_adam_build.log

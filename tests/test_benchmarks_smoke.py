@@ -36,6 +36,8 @@ def test_bench_compile_overhead_quick():
     assert "## backward" in out and "ratio" in out
     assert "step kind" in out and "select (reselection)" in out
     assert "## host time added per weight" in out
+    alone = _run("bench_compile_overhead.py", "--hand-over-only", "--device", "cpu")
+    assert "## host time added per weight" in alone and "## backward" not in alone
 
 
 def test_bench_demo_gap_quick():
