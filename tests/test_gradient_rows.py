@@ -39,6 +39,21 @@ def hand_over(w: SplitWeight, form: str, x: torch.Tensor, dy: torch.Tensor) -> N
 FORMS = ["matmul", "transposed view", "contiguous"]
 
 
+def record_row_forming(monkeypatch) -> list[tuple[tuple, torch.Tensor | None]]:
+    """``(args, out)`` of every call the weight makes to form a gradient's rows (by product or
+    by gather), recorded as they happen; the rows are still formed."""
+    calls = []
+    for name in ("matmul_rows", "gather_rows"):
+        formed = getattr(split_weight_module, name)
+
+        def recording(*args, formed=formed, out=None):
+            calls.append((args, out))
+            return formed(*args, out=out)
+
+        monkeypatch.setattr(split_weight_module, name, recording)
+    return calls
+
+
 @pytest.mark.parametrize("accumulate_on_device", [False, True])
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("batch", [8, 32])  # below and above OUT: either operand is gathered
@@ -69,24 +84,16 @@ def test_one_process_on_the_cpu_forms_the_rows_in_the_host_block(form, monkeypat
     """Written where they stay: the rows are formed with the reusable host block as their output
     (no tensor of the gradient's size in between, no copy), the staged unselected rows are that
     block's, and the block is the same one from step to step."""
-    outputs = []
-    for name in ("matmul_rows", "gather_rows"):
-        formed = getattr(split_weight_module, name)
-
-        def recording(*args, formed=formed, out=None):
-            outputs.append(out)
-            return formed(*args, out=out)
-
-        monkeypatch.setattr(split_weight_module, name, recording)
+    calls = record_row_forming(monkeypatch)
     g = torch.Generator().manual_seed(0)
     w = split_weight(accumulate_on_device=False)
     blocks = set()
     for _ in range(3):
         x, dy = torch.randn(16, COLUMNS, generator=g), torch.randn(16, OUT, generator=g)
-        outputs.clear()
+        calls.clear()
         hand_over(w, form, x, dy)
         w.reduce_staged()
-        assert [out.data_ptr() for out in outputs] == [w._stage_block.data_ptr()]
+        assert [out.data_ptr() for _, out in calls] == [w._stage_block.data_ptr()]
         assert w.host_stage.data_ptr() == w._stage_block[w.k_local :].data_ptr()
         assert w.staged_bytes == (COLUMNS - len(SELECTED)) * OUT * 4
         blocks.add(w._stage_block.data_ptr())
@@ -98,24 +105,16 @@ def test_one_process_on_the_cpu_forms_the_rows_in_the_host_block(form, monkeypat
 def test_columns_in_their_natural_places_are_formed_without_a_gather(form, monkeypatch):
     """Before the first selection (and with topk 0, always) the rows' order is the gradient's
     own: they are formed with no index to gather by; after a selection, by its order."""
-    indexes = []
-    for name in ("matmul_rows", "gather_rows"):
-        formed = getattr(split_weight_module, name)
-
-        def recording(*args, formed=formed, out=None):
-            indexes.append(args[-1])
-            return formed(*args, out=out)
-
-        monkeypatch.setattr(split_weight_module, name, recording)
+    calls = record_row_forming(monkeypatch)
     w = split_weight(accumulate_on_device=False, selected=None)
     x, dy = torch.randn(16, COLUMNS), torch.randn(16, OUT)
     hand_over(w, form, x, dy)
-    assert indexes == [None]
+    assert [args[-1] for args, _ in calls] == [None]
     w.discard_staged()
     w.reselect(torch.tensor(SELECTED))
-    indexes.clear()
+    calls.clear()
     hand_over(w, form, x, dy)
-    assert len(indexes) == 1 and torch.equal(indexes[0], w.order)
+    assert len(calls) == 1 and torch.equal(calls[0][0][-1], w.order)
 
 
 def test_a_small_batch_is_kept_as_factors_only_where_the_host_stages():

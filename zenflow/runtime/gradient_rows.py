@@ -76,8 +76,8 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor | None, out: torch.Tenso
 
 
 def _on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
-    # The runtime keeps its orders where the gradients are: no ``.to`` call (a few us of host
-    # time, once per weight and backward) unless one is needed.
+    # Index tensors (the runtime's orders, a lookup's ids) are usually where the gradients are
+    # already: no ``.to`` call (a few us of host time, per weight and backward) unless needed.
     return index if index.device == device else index.to(device)
 
 
@@ -104,7 +104,7 @@ def matmul_rows(
     product, which moves far fewer bytes (``a`` is usually a transposed activation, gathered
     along its contiguous dimension)."""
     if index is None:
-        return torch.mm(a, b, out=out) if out is not None else torch.mm(a, b)
+        return torch.mm(a, b, out=out)
     index = _on(index, a.device)
     if OPERAND_GATHER_RATIO * a.shape[1] > b.shape[1]:
         return gather_rows(torch.mm(a, b), index, out=out)
