@@ -15,15 +15,22 @@ OUT, COLUMNS, SELECTED = 24, 40, (3, 7, 11, 30)
 
 
 def split_weight(accumulate_on_device: bool, selected=SELECTED) -> SplitWeight:
-    """``selected`` None: no selection yet, every column in its natural place."""
+    """``selected`` None: no selection yet, every column in its natural place; "reselected":
+    ``SELECTED`` after six selections of random columns, which leave many columns out of their
+    natural places."""
     param = torch.nn.Parameter(torch.randn(OUT, COLUMNS, generator=torch.Generator()))
     w = SplitWeight(param, 0, DataParallel(), pin=False, accumulate_on_device=accumulate_on_device)
+    if selected == "reselected":
+        g = torch.Generator().manual_seed(5)
+        for _ in range(6):
+            w.reselect(torch.randperm(COLUMNS, generator=g)[: len(SELECTED)].sort().values)
+        selected = SELECTED
     if selected is not None:
         w.reselect(torch.tensor(selected))
     return w
 
 
-SELECTIONS = [SELECTED, None]
+SELECTIONS = [SELECTED, None, "reselected"]
 
 
 def hand_over(w: SplitWeight, form: str, x: torch.Tensor, dy: torch.Tensor) -> None:
@@ -101,12 +108,17 @@ def test_one_process_on_the_cpu_forms_the_rows_in_the_host_block(form, monkeypat
     assert len(blocks) == 1
 
 
+@pytest.mark.parametrize("accumulate_on_device", [False, True])
 @pytest.mark.parametrize("form", FORMS)
-def test_columns_in_their_natural_places_are_formed_without_a_gather(form, monkeypatch):
+def test_rows_are_gathered_by_the_order_only_where_they_are_staged_as_one_tensor(
+    form, accumulate_on_device, monkeypatch
+):
     """Before the first selection (and with topk 0, always) the rows' order is the gradient's
-    own: they are formed with no index to gather by; after a selection, by its order."""
+    own: they are formed with no index to gather by. After a selection, a host block (one
+    process on the CPU) still takes them in natural order and only the rows out of their
+    natural place are moved; rows staged as one tensor are formed in the order."""
     calls = record_row_forming(monkeypatch)
-    w = split_weight(accumulate_on_device=False, selected=None)
+    w = split_weight(accumulate_on_device, selected=None)
     x, dy = torch.randn(16, COLUMNS), torch.randn(16, OUT)
     hand_over(w, form, x, dy)
     assert [args[-1] for args, _ in calls] == [None]
@@ -114,7 +126,14 @@ def test_columns_in_their_natural_places_are_formed_without_a_gather(form, monke
     w.reselect(torch.tensor(SELECTED))
     calls.clear()
     hand_over(w, form, x, dy)
-    assert len(calls) == 1 and torch.equal(calls[0][0][-1], w.order)
+    ((args, _),) = calls
+    if accumulate_on_device:
+        assert torch.equal(args[-1], w.order)
+    else:
+        assert args[-1] is None
+        # SELECTED from the natural order: 3 stays in front, 7, 11 and 30 swap with 0, 1, 2.
+        positions, columns = w._host_row_moves()
+        assert positions.tolist() == [7, 11, 30] and columns.tolist() == [0, 1, 2]
 
 
 def test_a_small_batch_is_kept_as_factors_only_where_the_host_stages():

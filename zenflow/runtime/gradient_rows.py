@@ -3,11 +3,10 @@ straight into the buffer that keeps them.
 
 Backward graphs hand a weight's gradient to the runtime in one of two forms: a matmul's two
 factors, ``G.T == a @ b`` (``a``: ``[columns, batch]``, ``b``: ``[batch, out]``), or ``G.T``
-itself, with whatever strides the graph produced it in. The runtime wants the rows of some
-columns (the selected ones; the unselected ones in its host order), written once, where they
-stay, rather than formed in natural order, gathered, and copied again. An index of None means
-every column in its natural place (no selection yet, or ``topk_ratio`` 0): the rows are then
-formed without a gather.
+itself, with whatever strides the graph produced it in. Each function here forms the rows at the
+columns ``index`` (the runtime's order), or, for an index of None, every column in its natural
+place, with no gather: no selection yet, ``topk_ratio`` 0, or a host block whose few rows out of
+their natural place the runtime moves afterwards (``SplitWeight``).
 """
 
 import torch
@@ -115,10 +114,10 @@ def matmul_rows(
     return torch.mm(gathered, b, out=out)
 
 
-def with_lookup_added(rows_in_order, lookup_rows, lookup_ids, index, out=None):
-    """``rows_in_order(out)`` (G.T's rows at the columns ``index``) plus a lookup's gradient:
+def with_lookup_added(rows_at, lookup_rows, lookup_ids, index, out=None):
+    """``rows_at(index, out)`` (G.T's rows at the columns ``index``) plus a lookup's gradient:
     ``lookup_rows[t]`` (``[tokens, columns]``) added into column ``lookup_ids[t]``."""
-    rows = rows_in_order(out=out)
+    rows = rows_at(index, out=out)
     if index is None:
         by_column = lookup_rows.t()
     else:
@@ -126,8 +125,9 @@ def with_lookup_added(rows_in_order, lookup_rows, lookup_ids, index, out=None):
     return rows.index_add_(1, _on(lookup_ids, rows.device), by_column.to(rows.dtype))
 
 
-def zero_rows(like: torch.Tensor, count: int, width: int, out=None) -> torch.Tensor:
-    """``count`` zero rows (``like``'s dtype and device), into ``out`` when given."""
-    if out is None:
-        return like.new_zeros(count, width)
-    return out.zero_()
+def zero_rows(like: torch.Tensor, columns: int, width: int, index, out=None) -> torch.Tensor:
+    """Zero rows of a ``[columns, width]`` matrix at the columns ``index`` (``like``'s dtype and
+    device), into ``out`` when given."""
+    if out is not None:
+        return out.zero_()
+    return like.new_zeros(columns if index is None else index.numel(), width)
