@@ -9,12 +9,20 @@ nothing from csrc is imported when the backend is looked up. Parameters no ZenFl
 owns compile exactly as under plain Inductor.
 """
 
+import contextlib
 import copy
+import functools
+import hashlib
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 _INNER = ("inductor", "eager")
+
+# The sources that decide what a rewritten backward graph looks like, in zenflow's package.
+_PACKAGE = Path(__file__).resolve().parent
+_REWRITE_SOURCES = ("backend.py", "ops.py", "passes")
 
 
 def rewrite_backward(gm: torch.fx.GraphModule, slot_of_input: dict[int, int]) -> None:
@@ -45,14 +53,16 @@ def _compile(gm, example_inputs, slot_of_input: dict[int, int], inner: str, on_b
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+        # The graphs call zenflow's ops; a cache hit brings them back without the passes, which
+        # would have registered them.
+        import zenflow.ops  # noqa: F401
+
         def inner_compile(graph_module, inputs, *args, **kwargs):
             if kwargs.get("is_backward"):
                 rewrite(graph_module)
             return compile_fx_inner(graph_module, inputs, *args, **kwargs)
 
-        # AOTAutograd's cache keys on the graph before our passes: a hit would skip them (or
-        # bring back another run's slots), so it is neither read nor written here.
-        with torch._functorch.config.patch(enable_autograd_cache=False):
+        with _cache_keyed_on_the_rewrite(slot_of_input, on_backward):
             return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
@@ -71,6 +81,34 @@ def _compile(gm, example_inputs, slot_of_input: dict[int, int], inner: str, on_b
         partition_fn=min_cut_rematerialization_partition,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)
+
+
+@contextlib.contextmanager
+def _cache_keyed_on_the_rewrite(slot_of_input: dict[int, int], on_backward):
+    """torch.compile's caches (AOTAutograd's, Inductor's FX graph cache) key on the graph before
+    zenflow's passes, and a hit brings back the compiled graphs without running them: with the
+    slots they were compiled for baked in. So the key gets the slot of every weight input and
+    a digest of the code that rewrites; a hit is then a graph this compile would have produced.
+    With ``on_backward`` (inspection) AOTAutograd's cache is off: a hit would not call it."""
+    slots = ",".join(f"{i}:{slot}" for i, slot in sorted(slot_of_input.items()))
+    tag = f"{torch.compiler.config.cache_key_tag}zenflow-{rewrite_digest()}-{slots}"
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.compiler.config.patch(cache_key_tag=tag))
+        if on_backward is not None:
+            stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+        yield
+
+
+@functools.cache
+def rewrite_digest(root: Path = _PACKAGE) -> str:
+    """A digest of the code under ``root`` (zenflow's package) that rewrites backward graphs."""
+    digest = hashlib.sha256()
+    for name in _REWRITE_SOURCES:
+        path = root / name
+        for source in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            digest.update(source.relative_to(root).as_posix().encode())
+            digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 class _CompiledPerOwnership:
