@@ -46,3 +46,11 @@ def test_bench_demo_gap_quick():
     rows = {line[:40].strip(): line.split()[-1] for line in out.splitlines() if "%" in line[40:]}
     assert rows["AdamW"] == "+0.0%"
     assert {"AdamW, parameters 1 step(s) stale", "zenflow, the demo's settings"} <= set(rows)
+
+
+def test_bench_auto_interval_quick():
+    out = _run("bench_auto_interval.py")
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line[:1].isdigit()}
+    assert set(rows) == {"2", "4", "8"}
+    assert int(rows["2"][0]) == 2 * int(rows["4"][0])  # a fixed interval's update count
+    assert "auto against the fixed curve" in out and "criterion" in out

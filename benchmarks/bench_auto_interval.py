@@ -1,0 +1,126 @@
+"""update_interval "auto" against fixed intervals: the CPU updates each makes, the loss reached.
+
+    .venv/bin/python benchmarks/bench_auto_interval.py [--steps 160] [--quick]
+
+Three small teacher tasks: an MLP 32-64-8 learns a random teacher of its own shape from inputs
+whose features have different scales, which spreads the first layer's gradient over its
+columns differently: a linear ramp of scales (the task of tests/test_zenflow_adamw.py), a
+geometric ramp, and four strong features among weak ones. Each is trained with ZenFlowAdamW
+(lr 1e-2, topk 0.1, select_interval 16) at fixed update intervals 1, 2, 4, 8, 16 and at "auto",
+on the same batches; the loss is the mean over 20 held-out batches, after ``flush()``.
+
+For each task the script prints the fixed intervals' curve (CPU updates, loss), auto's point,
+and the loss the fixed curve reaches at auto's number of updates (interpolated between the
+two intervals around it): a ratio below 1.00x means auto's timing beats a fixed period for the
+same CPU work; above, a fixed period would have done better. The issue's criterion compares
+auto with a fixed 4: no more CPU updates and a loss within 1 %.
+"""
+
+import argparse
+import itertools
+import time
+
+import torch
+
+from zenflow import ZenFlowAdamW
+from zenflow.columns import column_importance, topk_count
+
+HELD_OUT = 20
+TASKS = {
+    "linear ramp (the test's task)": torch.linspace(0.1, 2.0, 32),
+    "geometric ramp": torch.logspace(-2, 0, 32),
+    "4 strong features of 32": torch.cat([torch.full((28,), 0.1), torch.full((4,), 2.0)]),
+}
+SETTINGS = dict(lr=1e-2, topk_ratio=0.1, select_interval=16, step_backend="eager")
+
+
+def _mlp() -> torch.nn.Sequential:
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+
+
+def teacher_task(scale: torch.Tensor, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    teacher = _mlp()
+    for p in teacher.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.5
+    inputs = [torch.randn(16, 32, generator=g) * scale for _ in range(steps + HELD_OUT)]
+    with torch.no_grad():
+        return [(x, teacher(x)) for x in inputs]
+
+
+def train(data, update_interval) -> tuple[int, float]:
+    """(CPU updates, held-out loss)."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = ZenFlowAdamW(model.parameters(), update_interval=update_interval, **SETTINGS)
+    for x, y in data[:-HELD_OUT]:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    opt.flush()
+    with torch.no_grad():
+        losses = [torch.nn.functional.mse_loss(model(x), y).item() for x, y in data[-HELD_OUT:]]
+    return opt.stats()["cpu_updates"], sum(losses) / len(losses)
+
+
+def top_share(data) -> float:
+    """Mean share of a weight's squared gradient norm held by its top 10 % of columns, over the
+    first five batches at the initial weights."""
+    torch.manual_seed(0)
+    model = _mlp()
+    shares = []
+    for x, y in data[:5]:
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        for p in model.parameters():
+            if p.dim() == 2:
+                scores = column_importance(p.grad).sort(descending=True).values
+                shares.append(float(scores[: topk_count(0.1, scores.numel())].sum() / scores.sum()))
+    return sum(shares) / len(shares)
+
+
+def curve_at(curve: list[tuple[int, float]], updates: int) -> float | None:
+    """The fixed intervals' loss at ``updates`` CPU updates, linear between the two points
+    around it; None outside the curve."""
+    points = sorted(curve)
+    for (u0, l0), (u1, l1) in itertools.pairwise(points):
+        if u0 <= updates <= u1:
+            return l0 if u1 == u0 else l0 + (l1 - l0) * (updates - u0) / (u1 - u0)
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=160, help="training steps per run (160)")
+    parser.add_argument("--quick", action="store_true", help="one task, 40 steps (smoke)")
+    args = parser.parse_args()
+    tasks = dict(list(TASKS.items())[:1]) if args.quick else TASKS
+    steps = 40 if args.quick else args.steps
+    intervals = (2, 4, 8) if args.quick else (1, 2, 4, 8, 16)
+    started = time.perf_counter()
+    print('# bench_auto_interval: update_interval "auto" against fixed intervals')
+    print(f"steps {steps}, {', '.join(f'{k} {v}' for k, v in SETTINGS.items())}")
+    for name, scale in tasks.items():
+        data = teacher_task(scale, steps)
+        print(f"\n## {name}: top 10 % of columns hold {top_share(data):.0%} of the squared norm")
+        print(f"{'update_interval':<16} {'cpu updates':>11} {'loss':>8}")
+        curve = {}
+        for interval in intervals:
+            curve[interval] = train(data, interval)
+            print(f"{interval:<16} {curve[interval][0]:>11} {curve[interval][1]:>8.4f}")
+        updates, loss = train(data, "auto")
+        print(f"{'auto':<16} {updates:>11} {loss:>8.4f}")
+        fixed_updates, fixed_loss = curve[4]
+        same_work = curve_at(list(curve.values()), updates)
+        against_curve = "outside the curve" if same_work is None else f"{loss / same_work:.3f}x"
+        print(
+            f"auto against the fixed curve at {updates} updates: {against_curve}; against fixed "
+            f"4: {updates / fixed_updates:.2f}x the updates, {loss / fixed_loss:.3f}x the loss "
+            f"(criterion: <= 1x and <= 1.01x: "
+            f"{'met' if updates <= fixed_updates and loss <= 1.01 * fixed_loss else 'not met'})"
+        )
+    print(f"\n({time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
