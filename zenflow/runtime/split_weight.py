@@ -130,6 +130,8 @@ class SplitWeight:
         # ``k`` already set; a selection is taken as reordering (no device sync to compare).
         natural = self.k == 0 and torch.equal(order.cpu(), torch.arange(self.columns))
         self.rows_index = None if natural else order
+        # Asked for by every backward and step: one view, not a slice per call (a few us each).
+        self.selected_columns = order[: self.k]
         self._host_moves: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -214,7 +216,8 @@ class SplitWeight:
             return
         block = rows_at(None, out=self._take_block(dtype))
         # The selected rows first: the moves below write over some of their natural places.
-        self.device_stage = block.index_select(0, self.order[: self.k]).to(torch.float32)
+        selected = block.index_select(0, self.selected_columns)
+        self.device_stage = selected if dtype == torch.float32 else selected.float()
         positions, columns = self._host_row_moves()
         if positions.numel():
             block.index_copy_(0, positions, block.index_select(0, columns))
@@ -447,7 +450,7 @@ class SplitWeight:
         their state lives."""
         if self.factor_parts:
             x, dy = self._factors()
-            selected = x.index_select(1, self.order[: self.k].to(x.device))
+            selected = x.index_select(1, self.selected_columns.to(x.device))
             return (selected.t() @ dy).to(self.state_device)
         return self.device_stage
 
@@ -675,14 +678,14 @@ class SplitWeight:
         the CPU, like every count)."""
         if self.offload:
             return None
-        return self._param_rows(), self.order[: self.k]
+        return self._param_rows(), self.selected_columns
 
     def write_selected(self) -> int:
         """``offload``: copy the selected rows' new values from the host into the parameter;
         returns the bytes that crossed to the device. (Otherwise the device update writes them
         itself: ``selected_destination``.)"""
         values = self._to_device(self.device_master, "selected")
-        self._param_rows().index_copy_(0, self.order[: self.k], values)
+        self._param_rows().index_copy_(0, self.selected_columns, values)
         return values.numel() * values.element_size()
 
     def new_rounded_rows(self) -> torch.Tensor | None:
@@ -750,7 +753,7 @@ class SplitWeight:
 
 def _squared_row_norms(rows: torch.Tensor) -> torch.Tensor:
     """Each row's squared L2 norm in fp32: one read of ``rows``, no temporary of its size."""
-    return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32).square()
+    return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32).square_()
 
 
 def _refuse_mixed_staging():
