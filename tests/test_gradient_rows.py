@@ -241,3 +241,29 @@ def test_a_forked_child_gathers_with_its_own_helper_threads():
     assert columns_by_out.numel() >= TILED_GATHER_MIN_ELEMENTS
     gather_rows(columns_by_out, torch.arange(200))  # the parent's helper threads exist now
     assert result_in_forked_child(_gather_in_child, "the column gather")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_reselection_mid_step_moves_16_bit_rows_exactly_and_keeps_their_block(dtype, staging):
+    """The staged 16-bit rows stay in their block (not widened to fp32 whole); a leaving
+    column's selected rows (fp32 on the device) go into it, an entering column's come out of
+    it, without a change of value; the bytes moved count the staged rows at 2 bytes."""
+    g = torch.Generator().manual_seed(6)
+    param = torch.nn.Parameter(torch.randn(OUT, COLUMNS, generator=g).to(dtype))
+    w = SplitWeight(param, 0, DataParallel(), pin=False)
+    w.reselect(torch.tensor(SELECTED))
+    x, dy = torch.randn(16, COLUMNS, generator=g), torch.randn(16, OUT, generator=g)
+    w.stage_matmul(x.t().to(dtype), dy.to(dtype))
+    w.reduce_staged()
+    by_column = torch.empty(COLUMNS, OUT)
+    by_column[w.order[: w.k]] = w.selected_rows()
+    by_column[w.order[w.k :]] = w.unselected_rows().float()
+    block = w._stage_block
+    assert block.dtype == dtype
+    new_selection = torch.tensor([3, 8, 11, 25])  # 7 and 30 leave, 8 and 25 enter
+    moved = w.reselect(new_selection)
+    assert w._stage_block is block and w.unselected_rows().dtype == dtype
+    assert torch.equal(w.selected_rows(), by_column[w.order[: w.k]])
+    assert torch.equal(w.unselected_rows().float(), by_column[w.order[w.k :]])
+    row_bytes = OUT * (3 * 4 + 2) + 8
+    assert moved == (2 * row_bytes, 2 * row_bytes)

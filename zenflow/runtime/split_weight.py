@@ -521,8 +521,9 @@ class SplitWeight:
 
     def _row_bytes(self) -> int:
         """Bytes of one column's state as it crosses: fp32 master and moments, int64 step, and
-        the fp32 staged gradient when the move happens mid-step."""
-        return self.out * 4 * (3 + self._staged_rows) + 8
+        the staged gradient (in its block's dtype) when the move happens mid-step."""
+        staged = self._stage_block.element_size() if self._staged_rows else 0
+        return self.out * (4 * 3 + staged) + 8
 
     def reselect(self, selected_columns: torch.Tensor) -> tuple[int, int]:
         """Adopt a new selection (ascending natural column indices). Only columns whose side
@@ -560,7 +561,7 @@ class SplitWeight:
         leaving = old_selected[~now[old_selected]]
         entering_rows = []
         owned = mine[entering]
-        for host in host_state:
+        for host, device in zip(host_state, device_state, strict=True):
             # Gathered into pinned memory on a GPU machine: the copy to the device runs at
             # twice a pageable copy's bandwidth, without holding the host thread.
             shape = (entering.numel(), *host.shape[1:])
@@ -571,7 +572,7 @@ class SplitWeight:
                 rows = torch.zeros(shape, dtype=host.dtype, pin_memory=self.pin_memory)
                 rows[owned] = _rows(host, host_row[entering[owned]])
             rows = self.comm.all_reduce_sum_(rows.to(self.param.device, non_blocking=True))
-            entering_rows.append(rows.to(self.state_device))
+            entering_rows.append(rows.to(self.state_device, device.dtype))
         # This block's new order swaps each misplaced front column (unselected now) with a
         # misplaced back one (selected now). Host rows of selected columns are never read (their
         # state is on the device), so only the columns going behind need rows there: a leaving
@@ -585,7 +586,7 @@ class SplitWeight:
         leaving_mine = leaving[mine[leaving]]
         for host, device in zip(host_state, device_state, strict=True):
             _put_rows(host, back[moved], _rows(host, front[moved]))
-            leaving_rows = self._on_host(_rows(device, device_row[leaving_mine]))
+            leaving_rows = self._on_host(_rows(device, device_row[leaving_mine]).to(host.dtype))
             _put_rows(host, new_host_row[leaving_mine], leaving_rows)
 
         if entering.numel() == leaving.numel():
@@ -641,14 +642,16 @@ class SplitWeight:
         return landed.copy_(rows)
 
     def _staged_block(self) -> torch.Tensor:
-        """This rank's block of the staged gradient, fp32, in host row order (the rows of
-        selected columns unset): the block the staged rows already live in when there is one."""
+        """This rank's block of the staged gradient, in host row order (the rows of selected
+        columns unset): the block the staged rows already live in when there is one, in its
+        dtype, else a new fp32 one. A 16-bit block holds one micro-batch's rows as formed, and
+        the selected rows on the device are the same values in fp32, so rows move between the
+        two exactly; the 16-bit gradient is not widened whole for a reselection (the size of
+        the weight in fp32, per weight)."""
         self._finish_host_copy()
         block = self._stage_block
         in_block = (
-            block is not None
-            and block.dtype == torch.float32
-            and self.host_stage.data_ptr() == block[self.k_local :].data_ptr()
+            block is not None and self.host_stage.data_ptr() == block[self.k_local :].data_ptr()
         )
         if not in_block:
             block = self._take_block(torch.float32)
