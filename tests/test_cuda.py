@@ -258,6 +258,26 @@ def test_runtime_options_on_cuda_equal_reference(cuda_fp32, settings):
         )
 
 
+def test_gradient_accumulation_on_cuda_equals_reference(cuda_fp32):
+    """Three micro-batches per step: every micro-batch's unselected rows take the copy stream to
+    the host, a later one's added into the staged sum once landed."""
+    data = on(cuda_fp32, batches("mlp", 12))
+
+    def run(model, opt):
+        for inputs, targets in data:
+            opt.zero_grad()
+            for part in zip(inputs.chunk(3), targets.chunk(3), strict=True):
+                (loss_of("mlp", model, *part) / 3).backward()
+            opt.step()
+
+    model = build("mlp").to(cuda_fp32)
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **SCHEDULE)
+    run(torch.compile(model, backend="zenflow", options={"inner": "eager"}), opt)
+    oracle_model = build("mlp").to(cuda_fp32)
+    run(oracle_model, ReferenceZenFlowAdamW(oracle_model.parameters(), **SCHEDULE))
+    assert_close(list(model.parameters()), list(oracle_model.parameters()), **GPU_TOL)
+
+
 def test_overlapped_result_is_not_overwritten_while_its_copy_is_in_flight(cuda_fp32):
     """overlap_step with fp32 weights on a busy device.
 

@@ -10,6 +10,7 @@ from zenflow.runtime import split_weight as split_weight_module
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.gradient_rows import FACTOR_RATIO, TILED_GATHER_MIN_ELEMENTS, gather_rows
 from zenflow.runtime.split_weight import SplitWeight
+from zenflow.runtime.streams import CopyStream
 
 OUT, COLUMNS, SELECTED = 24, 40, (3, 7, 11, 30)
 
@@ -64,7 +65,7 @@ def record_row_forming(monkeypatch) -> list[tuple[tuple, torch.Tensor | None]]:
 @pytest.mark.parametrize("accumulate_on_device", [False, True])
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("batch", [8, 32])  # below and above OUT: either operand is gathered
-@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("micro_batches", [1, 2, 3])
 @pytest.mark.parametrize("selected", SELECTIONS)
 def test_rows_scores_and_norm_are_the_gradients(
     form, batch, accumulate_on_device, micro_batches, selected, staging
@@ -267,3 +268,28 @@ def test_a_reselection_mid_step_moves_16_bit_rows_exactly_and_keeps_their_block(
     assert torch.equal(w.unselected_rows().float(), by_column[w.order[w.k :]])
     row_bytes = OUT * (3 * 4 + 2) + 8
     assert moved == (2 * row_bytes, 2 * row_bytes)
+
+
+def test_every_micro_batch_takes_the_copy_stream_to_the_host(monkeypatch):
+    """A weight on a GPU (the copy stream's path, here on its CPU twin): a later micro-batch's
+    unselected rows start for the host as the first one's do and are added into the staged sum
+    once landed, rather than fetched synchronously in the middle of backward."""
+    monkeypatch.setattr(SplitWeight, "stages_on_host", property(lambda self: False))
+    sent = []
+    copy_to_host = CopyStream.copy_to_host
+
+    def recording(self, source, out=None, owned=False):
+        sent.append(source.shape)
+        return copy_to_host(self, source, out=out, owned=owned)
+
+    monkeypatch.setattr(CopyStream, "copy_to_host", recording)
+    g = torch.Generator().manual_seed(7)
+    w = split_weight(accumulate_on_device=False)
+    grad_t = torch.zeros(COLUMNS, OUT)
+    for _ in range(3):
+        x, dy = torch.randn(16, COLUMNS, generator=g), torch.randn(16, OUT, generator=g)
+        w.stage_matmul(x.t(), dy)
+        grad_t += x.t() @ dy
+    assert sent == [(COLUMNS - len(SELECTED), OUT)] * 3
+    w.reduce_staged()
+    assert_close(w.unselected_rows(), grad_t[w.order[w.k :]], rtol=1e-5, atol=1e-5)

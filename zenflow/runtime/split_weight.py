@@ -98,6 +98,8 @@ class SplitWeight:
         self._spare_blocks: list[torch.Tensor] = []
         self._stage_block: torch.Tensor | None = None
         self._host_copy = None
+        # A later micro-batch's rows on their way to the host, and their block.
+        self._part_copy: tuple[PendingCopy, torch.Tensor] | None = None
         # purpose -> (pinned buffer, its transfer to the device in flight), on a GPU.
         self._to_device_buffers: dict[str, tuple[torch.Tensor, PendingCopy | None]] = {}
         self.discard_staged()
@@ -269,12 +271,27 @@ class SplitWeight:
                 self.staged_bytes += unselected.numel() * rows.element_size()
         else:
             self._finish_host_copy()
-            if self.host_stage.dtype != torch.float32:
-                self.host_stage = self.host_stage.float()
-            self.host_stage += unselected.to(self.host_stage.device, torch.float32)
+            if self._sends_parts_to_host:
+                block = self._take_block(unselected.dtype)
+                copy = copy_stream(self.param.device).copy_to_host(
+                    unselected, out=block[self.k_local :], owned=True
+                )
+                self._part_copy = (copy, block)
+            else:
+                if self.host_stage.dtype != torch.float32:
+                    self.host_stage = self.host_stage.float()
+                self.host_stage += unselected.to(self.host_stage.device, torch.float32)
             if not (self.distributed or self.accumulate_on_device):
                 self.staged_bytes += unselected.numel() * rows.element_size()
         self.micro_batches += 1
+
+    @property
+    def _sends_parts_to_host(self) -> bool:
+        """Whether a later micro-batch's unselected rows go to the host like the first one's,
+        through the copy stream (one rank, host-side sums, a weight on a GPU): added into the
+        staged sum when they have landed (at the next micro-batch or the step), not fetched
+        synchronously in the middle of backward."""
+        return not (self.distributed or self.accumulate_on_device or self.stages_on_host)
 
     @property
     def _reduces_in_backward(self) -> bool:
@@ -334,9 +351,18 @@ class SplitWeight:
         return self.local_order[self.k_local :]
 
     def _finish_host_copy(self) -> None:
+        """Wait for the rows still on their way to the host; a later micro-batch's are added
+        into the staged sum (fp32) and their block given back."""
         if self._host_copy is not None:
             self.host_stage = self._host_copy.wait()
             self._host_copy = None
+        if self._part_copy is not None:
+            copy, block = self._part_copy
+            self._part_copy = None
+            if self.host_stage.dtype != torch.float32:
+                self.host_stage = self.host_stage.float()
+            self.host_stage += copy.wait()
+            self.release_block(block)
 
     def stage_grad(self, grad: torch.Tensor) -> None:
         """The eager path: a gradient that arrived in ``.grad`` instead of through a graph."""
