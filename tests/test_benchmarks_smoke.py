@@ -3,26 +3,11 @@
 Nothing here is timed against a threshold; the scripts only print tables.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.python_process import ROOT, stdout_of
 
 
 def _run(script: str, *args: str) -> str:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--quick", *args],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=ROOT,
-        env=env,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+    return stdout_of([str(ROOT / "benchmarks" / script), "--quick", *args], timeout_s=900)
 
 
 def test_bench_step_quick():

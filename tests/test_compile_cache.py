@@ -2,30 +2,21 @@
 passes would have produced here, its gradients going to the same weights."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import zenflow
+from tests.python_process import stdout_of
 from zenflow.backend import rewrite_digest
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def train_in_a_fresh_process(cache_dir: Path, *args: str) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), PYTHONPATH=str(ROOT))
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.compile_cache_worker", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env=env,
+    out = stdout_of(
+        ["-m", "tests.compile_cache_worker", *args],
+        timeout_s=600,
+        TORCHINDUCTOR_CACHE_DIR=str(cache_dir),
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_a_cached_compile_is_reused_only_for_the_same_weight_slots(tmp_path):
