@@ -10,6 +10,8 @@ from zenflow.optimizer import ZenFlowAdamW
 from zenflow.reference import ReferenceZenFlowAdamW
 from zenflow.runtime import cpu_adam
 from zenflow.runtime.selective_step import step_backend_for
+from zenflow.runtime.split_weight import SplitWeight
+from zenflow.runtime.streams import PendingCopy
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 SETTINGS = dict(lr=1e-2, topk_ratio=0.25, update_interval=2, select_interval=4, overlap_step=True)
@@ -308,3 +310,32 @@ def test_the_step_shows_its_phases_in_a_profiler_trace():
     phases = ["step", "gradient_norm", "reselect", "device_update", "window_sums", "cpu_update"]
     for phase in phases + ["write_back"]:
         assert f"zenflow::{phase}" in names
+
+
+def test_a_step_queues_its_device_update_before_waiting_for_the_rows_copy(monkeypatch):
+    """A weight on a GPU (the copy stream's path, here on its CPU twin): the unselected rows'
+    copy to the host is waited for where they are read (the window's sum), after the step has
+    queued its device update, so the device need not idle through the copies' tail."""
+    monkeypatch.setattr(SplitWeight, "stages_on_host", property(lambda self: False))
+    events = []
+    wait, device_commit = PendingCopy.wait, ZenFlowAdamW._device_commit
+
+    def recorded_wait(self):
+        events.append("wait")
+        return wait(self)
+
+    def recorded_commit(self, *args):
+        events.append("device update")
+        return device_commit(self, *args)
+
+    monkeypatch.setattr(PendingCopy, "wait", recorded_wait)
+    monkeypatch.setattr(ZenFlowAdamW, "_device_commit", recorded_commit)
+    model = build("mlp")
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **SETTINGS)
+    data = batches("mlp", 3)
+    train(model, opt, data[:2])  # the first step selects; the second is ordinary
+    opt.zero_grad()
+    loss_of("mlp", model, *data[2]).backward()
+    events.clear()
+    opt.step()
+    assert events.index("device update") < events.index("wait")

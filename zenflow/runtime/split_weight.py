@@ -350,18 +350,30 @@ class SplitWeight:
     def _host_columns(self) -> torch.Tensor:
         return self.local_order[self.k_local :]
 
+    @property
+    def host_stage(self) -> torch.Tensor | None:
+        """This rank's staged unselected rows (on the host; on the device with
+        ``accumulate_on_device``). Reading them waits for their copy to the host to land, so
+        a step queues its device-side work before that wait, not after."""
+        self._finish_host_copy()
+        return self._host_stage
+
+    @host_stage.setter
+    def host_stage(self, rows: torch.Tensor | None) -> None:
+        self._host_stage = rows
+
     def _finish_host_copy(self) -> None:
         """Wait for the rows still on their way to the host; a later micro-batch's are added
         into the staged sum (fp32) and their block given back."""
         if self._host_copy is not None:
-            self.host_stage = self._host_copy.wait()
+            self._host_stage = self._host_copy.wait()
             self._host_copy = None
         if self._part_copy is not None:
             copy, block = self._part_copy
             self._part_copy = None
-            if self.host_stage.dtype != torch.float32:
-                self.host_stage = self.host_stage.float()
-            self.host_stage += copy.wait()
+            if self._host_stage.dtype != torch.float32:
+                self._host_stage = self._host_stage.float()
+            self._host_stage += copy.wait()
             self.release_block(block)
 
     def stage_grad(self, grad: torch.Tensor) -> None:
@@ -405,12 +417,12 @@ class SplitWeight:
 
     def reduce_staged(self) -> None:
         """Average the staged gradient over ranks: the selected rows everywhere, the unselected
-        ones into this rank's chunk, which alone goes to the host. With one rank: wait for the
-        transfer started in ``stage``. Factors (one rank only) need nothing."""
+        ones into this rank's chunk, which alone goes to the host. With one rank nothing moves
+        (the transfer started in ``stage`` is waited for where the rows are read). Factors (one
+        rank only) need nothing."""
         if self.factor_parts:
             return
         if not self.distributed:
-            self._finish_host_copy()
             self._stage_selected_where_updated()
             return
         self.comm.all_reduce_mean_(self.device_stage)
