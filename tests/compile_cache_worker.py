@@ -24,9 +24,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bystander", action="store_true")
     args = parser.parse_args()
-    settings = dict(lr=1e-2, topk_ratio=0.25, update_interval=2, select_interval=4)
-    # The optimizer's own compiled step stays out of the cache counts.
-    settings["step_backend"] = "eager"
+    # step_backend "eager": the optimizer's own compiled step stays out of the cache counts.
+    settings = dict(
+        lr=1e-2, topk_ratio=0.25, update_interval=2, select_interval=4, step_backend="eager"
+    )
     bystander_opt = ZenFlowAdamW(build("mlp").parameters(), **settings) if args.bystander else None
     model = build("mlp")
     opt = ZenFlowAdamW(model.parameters(), **settings)

@@ -270,11 +270,10 @@ def test_a_reselection_mid_step_moves_16_bit_rows_exactly_and_keeps_their_block(
     assert moved == (2 * row_bytes, 2 * row_bytes)
 
 
-def test_every_micro_batch_takes_the_copy_stream_to_the_host(monkeypatch):
+def test_every_micro_batch_takes_the_copy_stream_to_the_host(copy_stream_staging, monkeypatch):
     """A weight on a GPU (the copy stream's path, here on its CPU twin): a later micro-batch's
     unselected rows start for the host as the first one's do and are added into the staged sum
     once landed, rather than fetched synchronously in the middle of backward."""
-    monkeypatch.setattr(SplitWeight, "stages_on_host", property(lambda self: False))
     sent = []
     copy_to_host = CopyStream.copy_to_host
 

@@ -10,7 +10,6 @@ from zenflow.optimizer import ZenFlowAdamW
 from zenflow.reference import ReferenceZenFlowAdamW
 from zenflow.runtime import cpu_adam
 from zenflow.runtime.selective_step import step_backend_for
-from zenflow.runtime.split_weight import SplitWeight
 from zenflow.runtime.streams import PendingCopy
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
@@ -312,11 +311,12 @@ def test_the_step_shows_its_phases_in_a_profiler_trace():
         assert f"zenflow::{phase}" in names
 
 
-def test_a_step_queues_its_device_update_before_waiting_for_the_rows_copy(monkeypatch):
+def test_a_step_queues_its_device_update_before_waiting_for_the_rows_copy(
+    copy_stream_staging, monkeypatch
+):
     """A weight on a GPU (the copy stream's path, here on its CPU twin): the unselected rows'
     copy to the host is waited for where they are read (the window's sum), after the step has
     queued its device update, so the device need not idle through the copies' tail."""
-    monkeypatch.setattr(SplitWeight, "stages_on_host", property(lambda self: False))
     events = []
     wait, device_commit = PendingCopy.wait, ZenFlowAdamW._device_commit
 
@@ -333,7 +333,8 @@ def test_a_step_queues_its_device_update_before_waiting_for_the_rows_copy(monkey
     model = build("mlp")
     opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **SETTINGS)
     data = batches("mlp", 3)
-    train(model, opt, data[:2])  # the first step selects; the second is ordinary
+    train(model, opt, data[:2])  # the first step selects, the second closes a window
+    # The third, recorded, is an ordinary step.
     opt.zero_grad()
     loss_of("mlp", model, *data[2]).backward()
     events.clear()

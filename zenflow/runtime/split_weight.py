@@ -278,9 +278,7 @@ class SplitWeight:
                 )
                 self._part_copy = (copy, block)
             else:
-                if self.host_stage.dtype != torch.float32:
-                    self.host_stage = self.host_stage.float()
-                self.host_stage += unselected.to(self.host_stage.device, torch.float32)
+                self._add_into_host_stage(unselected)
             if not (self.distributed or self.accumulate_on_device):
                 self.staged_bytes += unselected.numel() * rows.element_size()
         self.micro_batches += 1
@@ -371,10 +369,15 @@ class SplitWeight:
         if self._part_copy is not None:
             copy, block = self._part_copy
             self._part_copy = None
-            if self._host_stage.dtype != torch.float32:
-                self._host_stage = self._host_stage.float()
-            self._host_stage += copy.wait()
+            self._add_into_host_stage(copy.wait())
             self.release_block(block)
+
+    def _add_into_host_stage(self, rows: torch.Tensor) -> None:
+        """A later micro-batch's unselected rows into the staged ones, summed in fp32 (the
+        first micro-batch's, staged in their own dtype, are widened once)."""
+        if self._host_stage.dtype != torch.float32:
+            self._host_stage = self._host_stage.float()
+        self._host_stage += rows.to(self._host_stage.device, torch.float32)
 
     def stage_grad(self, grad: torch.Tensor) -> None:
         """The eager path: a gradient that arrived in ``.grad`` instead of through a graph."""
@@ -572,7 +575,7 @@ class SplitWeight:
         is proportional to the change, not to the weight.
         Returns the bytes this rank moved (to the host, to the device)."""
         columns, rank = self.columns, self.comm.rank
-        old_selected, new_selected = self.order[: self.k].cpu(), selected_columns.cpu()
+        old_selected, new_selected = self.selected_columns.cpu(), selected_columns.cpu()
         was = torch.zeros(columns, dtype=torch.bool)
         was[old_selected] = True
         now = torch.zeros(columns, dtype=torch.bool)
@@ -631,7 +634,7 @@ class SplitWeight:
             rows_to_fill = device_row[leaving].to(self.state_device)
             for device, rows in zip(device_state, entering_rows, strict=True):
                 _put_rows(device, rows_to_fill, rows)
-            selected_order = self.order[: self.k].clone()
+            selected_order = self.selected_columns.clone()
             selected_order[rows_to_fill.to(selected_order.device)] = entering.to(
                 selected_order.device
             )
@@ -686,7 +689,6 @@ class SplitWeight:
         the selected rows on the device are the same values in fp32, so rows move between the
         two exactly; the 16-bit gradient is not widened whole for a reselection (the size of
         the weight in fp32, per weight)."""
-        self._finish_host_copy()
         block = self._stage_block
         in_block = (
             block is not None and self.host_stage.data_ptr() == block[self.k_local :].data_ptr()
