@@ -9,6 +9,11 @@ import os
 import torch
 import torch.distributed as dist
 
+# Before the process group exists, as zenflow.initialize does it (see zenflow/runtime/engine.py):
+# imported later, it would keep the group, and gloo's threads, alive past destroy_process_group.
+import torch.distributed.nn.functional  # noqa: F401
+
+from tests.gloo_threads import gloo_threads
 from tests.models import batches, build, loss_of
 from zenflow.optimizer import ZenFlowAdamW
 
@@ -43,14 +48,12 @@ def run(rank: int, world_size: int, port: int, out_dir: str, settings: dict) -> 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         model, opt = train(world_size, rank, settings)
-        host_elements = sum(w.host_master.numel() for w in opt.weights)
-        torch.save(
-            {
-                "params": [p.detach() for p in model.parameters()],
-                "host": host_elements,
-                "staged_rows_after_backward": opt.staged_rows_after_backward,
-            },
-            os.path.join(out_dir, f"rank{rank}.pt"),
-        )
+        result = {
+            "params": [p.detach() for p in model.parameters()],
+            "host": sum(w.host_master.numel() for w in opt.weights),
+            "staged_rows_after_backward": opt.staged_rows_after_backward,
+        }
     finally:
         dist.destroy_process_group()
+    result["gloo_threads_after_destroy"] = gloo_threads()
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -10,6 +10,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import zenflow
+from tests.gloo_threads import gloo_threads
 from tests.zero_configs import overlapped_zenflow_zero
 
 ZENFLOW = overlapped_zenflow_zero()
@@ -47,9 +48,10 @@ def _rank(rank: int, port: int, zero: dict, out_dir: str) -> None:
     )
     os.environ["WORLD_SIZE"] = "2"
     try:
-        torch.save(train(zero, 2, rank), os.path.join(out_dir, f"rank{rank}.pt"))
+        params = train(zero, 2, rank)
     finally:
         torch.distributed.destroy_process_group()
+    torch.save((params, gloo_threads()), os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.parametrize("zero", [ZENFLOW, PLAIN], ids=["zenflow-stage2", "adamw"])
@@ -60,4 +62,8 @@ def test_two_launched_ranks_equal_one_process(tmp_path, zero):
     torch.multiprocessing.spawn(_rank, args=(port, zero, str(tmp_path)), nprocs=2, join=True)
     single = train(zero, 1, 0)
     for rank in range(2):
-        assert_close(torch.load(tmp_path / f"rank{rank}.pt"), single, rtol=1e-5, atol=1e-6)
+        params, threads_after_destroy = torch.load(tmp_path / f"rank{rank}.pt")
+        assert_close(params, single, rtol=1e-5, atol=1e-6)
+        # The engine created the process group; once destroyed nothing keeps it (or the
+        # threads that could abort the rank at exit) alive.
+        assert threads_after_destroy == []

@@ -34,6 +34,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+# Imported before the engine creates a process group, never after: its functions' default
+# argument ``group=group.WORLD`` is bound at import, and bound to a live group it keeps that
+# group from ever being freed (torch.compile imports the module). destroy_process_group would
+# then leave gloo's threads running into interpreter teardown, where they can abort the
+# process (SIGABRT, "terminate called without an active exception") after training succeeded.
+import torch.distributed.nn.functional  # noqa: F401
+
 from zenflow.config import ZenFlowConfig, build_lr_scheduler, load_config
 from zenflow.notices import notice
 from zenflow.optimizer import NonFiniteGradientError, ZenFlowAdamW
