@@ -46,6 +46,9 @@ from zenflow.runtime.gradient_rows import (
 )
 from zenflow.runtime.streams import PendingCopy, copy_stream
 
+# A cached value not computed yet, where None is a value.
+_UNKNOWN = object()
+
 
 class SplitWeight:
     def __init__(
@@ -134,7 +137,7 @@ class SplitWeight:
         self.rows_index = None if natural else order
         # Asked for by every backward and step: one view, not a slice per call (a few us each).
         self.selected_columns = order[: self.k]
-        self._host_moves: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._host_moves: tuple[torch.Tensor, torch.Tensor] | None | object = _UNKNOWN
 
     @property
     def local_order(self) -> torch.Tensor:
@@ -220,24 +223,25 @@ class SplitWeight:
         # The selected rows first: the moves below write over some of their natural places.
         selected = block.index_select(0, self.selected_columns)
         self.device_stage = selected if dtype == torch.float32 else selected.float()
-        positions, columns = self._host_row_moves()
-        if positions.numel():
+        moves = self._host_row_moves()
+        if moves is not None:
+            positions, columns = moves
             block.index_copy_(0, positions, block.index_select(0, columns))
         self._stage_block = block
-        self.host_stage = block[self.k :]
-        self.staged_bytes += self.host_stage.numel() * self.host_stage.element_size()
+        self._host_stage = host = block[self.k :]
+        self.staged_bytes += host.numel() * host.element_size()
         self.micro_batches = 1
 
-    def _host_row_moves(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _host_row_moves(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One process: the host rows (block positions from ``k`` on) whose column is not the
-        natural one of their position, and those columns. Few: a reselection swaps misplaced
-        columns pairwise (``_partition``), so they stay about ``k`` with a stable selection
-        (about ``2 k`` after 40 reselections of random columns)."""
-        if self._host_moves is None:
+        natural one of their position, and those columns; None if there are none. Few: a
+        reselection swaps misplaced columns pairwise (``_partition``), so they stay about ``k``
+        with a stable selection (about ``2 k`` after 40 reselections of random columns)."""
+        if self._host_moves is _UNKNOWN:
             host_columns = self.order[self.k :].cpu()
             natural = torch.arange(self.k, self.columns)
             moved = host_columns != natural
-            self._host_moves = (natural[moved], host_columns[moved])
+            self._host_moves = (natural[moved], host_columns[moved]) if moved.any() else None
         return self._host_moves
 
     def stage(self, rows: torch.Tensor) -> None:
@@ -313,12 +317,13 @@ class SplitWeight:
         self.host_stage = self._stage_block[self.k_local :].copy_(mine)
         self.staged_bytes += mine.numel() * mine.element_size()
 
-    @property
+    @functools.cached_property
     def stages_on_host(self) -> bool:
         """Whether the host buffers are this weight's staging buffers: with one process, the
         weight on the CPU and host-side sums. Then a gradient's rows are formed straight into
         them, and its factors may be kept for the step to multiply, which costs what the
-        product would have cost in backward."""
+        product would have cost in backward. Fixed for the weight's life; asked by every
+        hand-over."""
         return (
             not self.distributed
             and self.param.device.type == "cpu"
