@@ -1,6 +1,7 @@
 """update_interval "auto" against fixed intervals: the CPU updates each makes, the loss reached.
 
     .venv/bin/python benchmarks/bench_auto_interval.py [--steps 160] [--quick]
+        [--plot runs/bench_auto_interval.png]
 
 Three small teacher tasks: an MLP 32-64-8 learns a random teacher of its own shape from inputs
 whose features have different scales, which spreads the first layer's gradient over its
@@ -10,17 +11,21 @@ geometric ramp, and four strong features among weak ones. Each is trained with Z
 on the same batches; the loss is the mean over 20 held-out batches, after ``flush()``.
 
 For each task the script prints the fixed intervals' curve (CPU updates, loss), auto's point,
-and the loss the fixed curve reaches at auto's number of updates (interpolated between the
-two intervals around it): a ratio below 1.00x means auto's timing beats a fixed period for the
+and the loss the fixed curve reaches at auto's number of updates (interpolated in log(updates)
+between the two intervals around it): a ratio below 1.00x means auto's timing beats a fixed period for the
 same CPU work; above, a fixed period would have done better. The issue's criterion compares
-auto with a fixed 4: no more CPU updates and a loss within 1 %.
+auto with a fixed 4: no more CPU updates and a loss within 1 %. The plot shows the same: per
+task, loss against CPU updates, the fixed intervals as a curve and auto as a point off it.
 """
 
 import argparse
 import itertools
+import math
 import time
+from pathlib import Path
 
 import torch
+from matplotlib.figure import Figure
 
 from zenflow import ZenFlowAdamW
 from zenflow.columns import column_importance, topk_count
@@ -80,24 +85,56 @@ def top_share(data) -> float:
 
 
 def curve_at(curve: list[tuple[int, float]], updates: int) -> float | None:
-    """The fixed intervals' loss at ``updates`` CPU updates, linear between the two points
-    around it; None outside the curve."""
+    """The fixed intervals' loss at ``updates`` CPU updates, linear in log(updates) between the
+    two points around it (the intervals double: the curve's points are evenly spaced there, as
+    on the plot); None outside the curve."""
     points = sorted(curve)
     for (u0, l0), (u1, l1) in itertools.pairwise(points):
         if u0 <= updates <= u1:
-            return l0 if u1 == u0 else l0 + (l1 - l0) * (updates - u0) / (u1 - u0)
+            if u1 == u0:
+                return l0
+            return l0 + (l1 - l0) * math.log(updates / u0) / math.log(u1 / u0)
     return None
+
+
+def plot(results: dict[str, dict], path: Path) -> None:
+    """Per task, held-out loss against CPU updates: the fixed intervals (labelled) as a curve,
+    auto as a point; where auto sits below the curve its timing beat a fixed period's."""
+    # A bare Figure (no pyplot) renders with matplotlib's Agg backend: no display needed.
+    fig = Figure(figsize=(5 * len(results), 4.2))
+    axes = fig.subplots(1, len(results), squeeze=False)[0]
+    for ax, (name, result) in zip(axes, results.items(), strict=True):
+        fixed = sorted((updates, loss, interval) for interval, (updates, loss) in result["fixed"])
+        ax.plot([u for u, _, _ in fixed], [loss for _, loss, _ in fixed], "o-", label="fixed")
+        for updates, loss, interval in fixed:
+            ax.annotate(f"{interval}", (updates, loss), textcoords="offset points", xytext=(4, 4))
+        ax.plot(*result["auto"], "*", markersize=14, label='"auto"')
+        ax.set_xscale("log")
+        ax.set_xlabel("CPU updates")
+        ax.set_ylabel("held-out loss")
+        ax.set_title(name, fontsize=10)
+        ax.legend()
+    fig.suptitle('update_interval: fixed (labelled) against "auto"')
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=160, help="training steps per run (160)")
     parser.add_argument("--quick", action="store_true", help="one task, 40 steps (smoke)")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=Path("runs/bench_auto_interval.png"),
+        help="where the plot goes (runs/bench_auto_interval.png)",
+    )
     args = parser.parse_args()
     tasks = dict(list(TASKS.items())[:1]) if args.quick else TASKS
     steps = 40 if args.quick else args.steps
     intervals = (2, 4, 8) if args.quick else (1, 2, 4, 8, 16)
     started = time.perf_counter()
+    results = {}
     print('# bench_auto_interval: update_interval "auto" against fixed intervals')
     print(f"steps {steps}, {', '.join(f'{k} {v}' for k, v in SETTINGS.items())}")
     for name, scale in tasks.items():
@@ -109,6 +146,7 @@ def main() -> None:
             curve[interval] = train(data, interval)
             print(f"{interval:<16} {curve[interval][0]:>11} {curve[interval][1]:>8.4f}")
         updates, loss = train(data, "auto")
+        results[name] = {"fixed": list(curve.items()), "auto": (updates, loss)}
         print(f"{'auto':<16} {updates:>11} {loss:>8.4f}")
         fixed_updates, fixed_loss = curve[4]
         same_work = curve_at(list(curve.values()), updates)
@@ -119,7 +157,8 @@ def main() -> None:
             f"(criterion: <= 1x and <= 1.01x: "
             f"{'met' if updates <= fixed_updates and loss <= 1.01 * fixed_loss else 'not met'})"
         )
-    print(f"\n({time.perf_counter() - started:.0f} s)")
+    plot(results, args.plot)
+    print(f"\nplot: {args.plot} ({time.perf_counter() - started:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ def test_bench_demo_gap_quick():
     assert {"AdamW, parameters 1 step(s) stale", "zenflow, the demo's settings"} <= set(rows)
 
 
-def test_bench_auto_interval_quick():
-    out = _run("bench_auto_interval.py")
+def test_bench_auto_interval_quick(tmp_path):
+    out = _run("bench_auto_interval.py", "--plot", str(tmp_path / "auto.png"))
+    assert (tmp_path / "auto.png").read_bytes().startswith(b"\x89PNG")
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line[:1].isdigit()}
     assert set(rows) == {"2", "4", "8"}
     assert int(rows["2"][0]) == 2 * int(rows["4"][0])  # a fixed interval's update count
