@@ -129,7 +129,7 @@ def main() -> None:
         f"{torch.get_num_threads()} threads, python {platform.python_version()}"
     )
     if args.hand_over_only:
-        _hand_over_cost(iters=50 if args.quick else 300, device=torch.device(args.device))
+        _hand_over_cost(args, torch.device(args.device))
         return
     zf_model, ref_model = _model(args), _model(args)
     params = sum(p.numel() for p in zf_model.parameters())
@@ -252,10 +252,11 @@ def main() -> None:
         f"optimizer_wait_s {stats['optimizer_wait_s']:.3f}, cpu_adam_s {stats['cpu_adam_s']:.3f}"
     )
     opt.flush()
-    _hand_over_cost(iters=50 if args.quick else 300, device=torch.device("cpu"))
+    _hand_over_cost(args, torch.device("cpu"))
 
 
-def _hand_over_cost(iters: int, device: torch.device, layers: int = 24, width: int = 64) -> None:
+def _hand_over_cost(args, device: torch.device, layers: int = 24, width: int = 64) -> None:
+    iters = 50 if args.quick else 300
     torch.manual_seed(0)
 
     def stack() -> torch.nn.Sequential:
