@@ -12,8 +12,8 @@ on the same batches; the loss is the mean over 20 held-out batches, after ``flus
 
 For each task the script prints the fixed intervals' curve (CPU updates, loss), auto's point,
 and the loss the fixed curve reaches at auto's number of updates (interpolated in log(updates)
-between the two intervals around it): a ratio below 1.00x means auto's timing beats a fixed period for the
-same CPU work; above, a fixed period would have done better. The issue's criterion compares
+between the two intervals around it): a ratio below 1.00x means auto's timing beats a fixed
+period for the same CPU work; above, a fixed period would have done better. The issue's criterion compares
 auto with a fixed 4: no more CPU updates and a loss within 1 %. The plot shows the same: per
 task, loss against CPU updates, the fixed intervals as a curve and auto as a point off it.
 """
