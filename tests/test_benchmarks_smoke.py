@@ -39,4 +39,5 @@ def test_bench_auto_interval_quick(tmp_path):
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line[:1].isdigit()}
     assert set(rows) == {"2", "4", "8"}
     assert int(rows["2"][0]) == 2 * int(rows["4"][0])  # a fixed interval's update count
-    assert "auto against the fixed curve" in out and "criterion" in out
+    assert rows["8"][1] != rows["8"][2]  # auto's step size changed the same windows' loss
+    assert out.count("against the curves at") == 2 and out.count("criterion") == 2

@@ -500,9 +500,14 @@ def test_adaptive_update_interval_from_the_config():
 
 
 def test_zenflow_extensions_from_the_config_reach_the_optimizer():
-    zero = zenflow_zero(accumulate_on_device=True, update_interval="auto", max_update_interval=5)
+    zero = zenflow_zero(
+        accumulate_on_device=True,
+        update_interval="auto",
+        min_update_interval=2,
+        max_update_interval=5,
+    )
     engine, optimizer, _, _ = zenflow.initialize(model=mlp(), config=config(zero))
     assert optimizer.accumulate_on_device
-    assert optimizer._auto.max_interval == 5
+    assert (optimizer._auto.min_interval, optimizer._auto.max_interval) == (2, 5)
     train(engine, 6)
     assert optimizer.stats()["cpu_updates"] >= 1

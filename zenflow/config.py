@@ -229,7 +229,7 @@ class ZenFlowBlock(_Section):
     """
 
     extensions: ClassVar[frozenset[str]] = frozenset(
-        {"accumulate_on_device", "max_update_interval"}
+        {"accumulate_on_device", "min_update_interval", "max_update_interval"}
     )
     """Fields DeepSpeed's ZenFlowConfig does not have."""
 
@@ -248,6 +248,10 @@ class ZenFlowBlock(_Section):
     accumulate_on_device: bool = False
     """zenflow extension: sum unselected gradients on the device (fp32) and ship each window's
     sum once, instead of every step's gradient (less traffic, more device memory; one rank)."""
+    min_update_interval: Int | None = Field(None, ge=1)
+    """zenflow extension: the shortest window update_interval "auto" may choose (a window cut by
+    a reselection may be shorter), so that it never runs more CPU updates than this fixed
+    interval would; None: 4, or max_update_interval if that is smaller."""
     max_update_interval: Int = Field(16, ge=1)
     """zenflow extension: the longest window update_interval "auto" may choose."""
     auto_ratio: float = Field(0.99, ge=0.0, le=1.0)
@@ -273,6 +277,17 @@ class ZenFlowBlock(_Section):
     def _check_selection(self) -> ZenFlowBlock:
         _effective_strategy(self.select_strategy, self.select_interval, self.update_interval)
         self.select_interval_steps  # noqa: B018 -- resolve now so that a bad value fails at load
+        return self
+
+    @model_validator(mode="after")
+    def _check_auto_interval_bounds(self) -> ZenFlowBlock:
+        if self.min_update_interval is not None and (
+            self.min_update_interval > self.max_update_interval
+        ):
+            raise ValueError(
+                f"min_update_interval ({self.min_update_interval}) must be <= "
+                f"max_update_interval ({self.max_update_interval})"
+            )
         return self
 
     def _needs_epoch_length(self) -> bool:

@@ -4,7 +4,9 @@ Per step (after ``full_warm_up_rounds``), for every weight: the ``k`` most impor
 take an fp32 AdamW step on the device (the compiled optimizer graph); the other columns'
 gradients go to the host and are summed; every ``update_interval`` steps the C++ CPU AdamW
 updates those columns from the window's mean gradient, asynchronously with ``overlap_step``.
-1-D parameters take a device AdamW step every step. The exact schedule is ``zenflow.reference``'s.
+1-D parameters take a device AdamW step every step. The exact schedule is ``zenflow.reference``'s
+(with update_interval "auto", ``zenflow.runtime.auto_interval`` decides the windows and the size
+of their steps).
 
 Gradients of weights arrive through the ops the backend compiles into the backward graph (then
 ``.grad`` stays None), or through ``.grad`` on a model that is not compiled. Either way they are
@@ -29,8 +31,7 @@ from zenflow.columns import (
     topk_count,
 )
 from zenflow.config import resolve_select_interval, zenflow_block
-from zenflow.runtime import cpu_adam
-from zenflow.runtime.auto_interval import AutoUpdateInterval
+from zenflow.runtime import auto_interval, cpu_adam
 from zenflow.runtime.comm import CollectiveError, DataParallel
 from zenflow.runtime.reshard import reshard
 from zenflow.runtime.selective_step import compiled_selective_adamw, step_backend_for
@@ -110,8 +111,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     """AdamW with ZenFlow's importance-aware split between device and host.
 
     Args beyond AdamW's are the fields of DeepSpeed's ``zero_optimization.zenflow`` block (same
-    meaning and validation; an int ``select_interval`` means every that many steps), plus
-    ``max_grad_norm`` (clip by global norm each step), ``step_backend``: "inductor" compiles
+    meaning and validation; an int ``select_interval`` means every that many steps) and
+    zenflow's extensions of it (``accumulate_on_device``, ``min_update_interval``,
+    ``max_update_interval``: see ``zenflow.config``), plus ``max_grad_norm`` (clip by global norm each step), ``step_backend``: "inductor" compiles
     the device update, "eager" runs it as plain PyTorch (``torch._foreach`` ops), "auto"
     (default) picks eager for parameters on a GPU and Inductor on the CPU (see
     ``zenflow.runtime.selective_step.step_backend_for``; settable later, as
@@ -143,6 +145,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         accumulate_on_device: bool = False,
         full_warm_up_rounds: int = 0,
         auto_ratio: float = 0.99,
+        min_update_interval: int | None = None,
         max_update_interval: int = 16,
         pt_reserved_cores_perc: float = 0.5,
         max_grad_norm: float | None = None,
@@ -169,9 +172,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._auto = None
         self._scores: dict[SplitWeight, torch.Tensor] = {}
         if settings.update_interval == "auto":
-            if max_update_interval < 1:
-                raise ValueError(f"max_update_interval must be >= 1, got {max_update_interval}")
-            self._auto = AutoUpdateInterval(settings.auto_ratio, max_update_interval)
+            self._auto = auto_interval.AutoUpdateInterval(
+                settings.auto_ratio,
+                min_interval=min_update_interval,
+                max_interval=max_update_interval,
+            )
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if nonfinite not in ("raise", "skip"):
@@ -625,6 +630,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 segment_len=[w.out for w in group_weights],
                 **self._hyper(group_index),
             )
+            if self._auto is not None:
+                state["lr"] *= auto_interval.lr_scale(self.window_steps)
             masters = [w.host_master[w.k_local :] for w in group_weights]
             exp_avgs = [w.host_exp_avg[w.k_local :] for w in group_weights]
             exp_avg_sqs = [w.host_exp_avg_sq[w.k_local :] for w in group_weights]

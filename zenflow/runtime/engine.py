@@ -503,6 +503,7 @@ def _build_optimizer(config: ZenFlowConfig, params) -> torch.optim.Optimizer:
             topk_ratio=block.topk_ratio,
             update_interval=block.update_interval,
             auto_ratio=block.auto_ratio,
+            min_update_interval=block.min_update_interval,
             max_update_interval=block.max_update_interval,
             accumulate_on_device=block.accumulate_on_device,
             select_interval=block.select_interval,
