@@ -75,8 +75,9 @@ void update_run(const TensorWork& t, int64_t begin, int64_t n, const ElementCons
   float* m = t.exp_avg + begin;
   float* v = t.exp_avg_sq + begin;
   float* acc = kBoundary ? t.accumulator + begin : nullptr;
-  const void* g = G == kNone ? nullptr
-                             : static_cast<const char*>(t.grad) + begin * dtype_size(G);
+  const void* g = G == kNone
+                      ? nullptr
+                      : static_cast<const char*>(t.grad) + grad_index(t, begin) * dtype_size(G);
   void* out = O == kNone ? nullptr : static_cast<char*>(t.out16) + begin * 2;
 
   const int64_t body = n - n % W;
@@ -103,22 +104,23 @@ void update_run(const TensorWork& t, int64_t begin, int64_t n, const ElementCons
 }
 
 // Splits [begin, end) into runs of equal step count (consecutive segments with the same step
-// share one run), so per-column steps cost one constant computation per change of step.
+// share one run), so per-column steps cost one constant computation per change of step; with
+// gathered gradient rows a run also ends where its gradient row does.
 template <int32_t G, int32_t O, bool kBoundary>
 void update_range(const TensorWork& t, const Hyper& h, int64_t begin, int64_t end) {
-  if (t.segment_steps == nullptr) {
-    update_run<G, O, kBoundary>(t, begin, end - begin, element_consts(h, t.step));
-    return;
-  }
   const int64_t len = t.segment_len;
   int64_t cached_step = -1;
   ElementConsts c{};
   for (int64_t i = begin; i < end;) {
-    const int64_t step = t.segment_steps[i / len];
-    int64_t run_end = std::min(end, (i / len + 1) * len);
-    while (run_end < end && t.segment_steps[run_end / len] == step) {
-      run_end = std::min(end, run_end + len);
+    int64_t step = t.step, run_end = end;
+    if (t.segment_steps != nullptr) {
+      step = t.segment_steps[i / len];
+      run_end = std::min(end, (i / len + 1) * len);
+      while (run_end < end && t.segment_steps[run_end / len] == step) {
+        run_end = std::min(end, run_end + len);
+      }
     }
+    if (G != kNone) run_end = contiguous_grad_end(t, i, run_end);
     if (step != cached_step) {
       c = element_consts(h, step);
       cached_step = step;
@@ -171,7 +173,7 @@ void accumulate_run(const TensorWork& t, const Hyper& h, int64_t begin, int64_t 
   constexpr int64_t W = Vec::kWidth;
   const float scale = static_cast<float>(h.grad_scale);
   float* acc = t.accumulator + begin;
-  const void* g = static_cast<const char*>(t.grad) + begin * dtype_size(G);
+  const void* g = static_cast<const char*>(t.grad) + grad_index(t, begin) * dtype_size(G);
   const int64_t n = end - begin, body = n - n % W, rem = n - body;
   accumulate_block<G>(acc, g, body, scale);
   if (rem == 0) return;
@@ -183,11 +185,20 @@ void accumulate_run(const TensorWork& t, const Hyper& h, int64_t begin, int64_t 
   std::memcpy(acc + body, tacc, rem * sizeof(float));
 }
 
+template <int32_t G>
+void accumulate_rows(const TensorWork& t, const Hyper& h, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end;) {
+    const int64_t run_end = contiguous_grad_end(t, i, end);
+    accumulate_run<G>(t, h, i, run_end);
+    i = run_end;
+  }
+}
+
 inline void accumulate_range(const TensorWork& t, const Hyper& h, int64_t begin, int64_t end) {
   switch (t.grad_dtype) {
-    case kBF16: return accumulate_run<kBF16>(t, h, begin, end);
-    case kF16: return accumulate_run<kF16>(t, h, begin, end);
-    default: return accumulate_run<kF32>(t, h, begin, end);
+    case kBF16: return accumulate_rows<kBF16>(t, h, begin, end);
+    case kF16: return accumulate_rows<kF16>(t, h, begin, end);
+    default: return accumulate_rows<kF32>(t, h, begin, end);
   }
 }
 

@@ -21,6 +21,8 @@ struct Hyper {
 // One tensor's buffers, also the C ABI's tensor record (its ctypes mirror in
 // zenflow/runtime/cpu_adam.py must match this layout). accumulator != nullptr selects the fused
 // boundary pass; grad may then be null (the accumulator already holds the window's sum).
+// grad_rows != nullptr reads the gradient as rows gathered from a larger matrix, in place: the
+// tensor's row r (grad_row_len elements) takes row grad_rows[r] of grad's grad_row_count rows.
 struct TensorWork {
   float* param;
   const void* grad;
@@ -34,7 +36,24 @@ struct TensorWork {
   int64_t step;                  // step count after increment, for every element ...
   const int64_t* segment_steps;  // ... unless non-null: one step per segment_len elements
   int64_t segment_len;
+  const int64_t* grad_rows;
+  int64_t grad_row_len;
+  int64_t grad_row_count;
 };
+
+// Where element i of a tensor finds its gradient element.
+inline int64_t grad_index(const TensorWork& t, int64_t i) {
+  if (t.grad_rows == nullptr) return i;
+  return t.grad_rows[i / t.grad_row_len] * t.grad_row_len + i % t.grad_row_len;
+}
+
+// The end of the run from element i that reads the gradient contiguously: the tensor's end, or
+// with gathered rows the end of i's row.
+inline int64_t contiguous_grad_end(const TensorWork& t, int64_t i, int64_t end) {
+  if (t.grad_rows == nullptr) return end;
+  const int64_t row_end = (i / t.grad_row_len + 1) * t.grad_row_len;
+  return row_end < end ? row_end : end;
+}
 
 // Float scalars of the element loop, fixed for a run of elements sharing one step count.
 struct ElementConsts {

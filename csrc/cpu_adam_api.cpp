@@ -40,12 +40,29 @@ zf::Isa effective_isa() {
 
 bool valid_grad_dtype(int32_t d) { return d == zf::kF32 || d == zf::kBF16 || d == zf::kF16; }
 
+// Gathered gradient rows: whole rows of the tensor, each index inside the gradient's rows.
+std::string check_grad_rows(const TensorWork& t) {
+  if (!t.grad_rows) return "";
+  if (!t.grad) return "grad_rows without a grad";
+  if (t.grad_row_len < 1 || t.numel % t.grad_row_len != 0) {
+    return "gathered rows need grad_row_len >= 1 dividing numel";
+  }
+  for (int64_t r = 0; r < t.numel / t.grad_row_len; ++r) {
+    if (t.grad_rows[r] < 0 || t.grad_rows[r] >= t.grad_row_count) {
+      return "grad row index " + std::to_string(t.grad_rows[r]) + " (row " + std::to_string(r) +
+             ") outside the gradient's " + std::to_string(t.grad_row_count) + " rows";
+    }
+  }
+  return "";
+}
+
 std::string check_tensor(const TensorWork& t) {
   if (t.numel < 0) return "negative numel";
   if (t.numel == 0) return "";
   if (!t.param || !t.exp_avg || !t.exp_avg_sq) return "null param, exp_avg or exp_avg_sq";
   if (!t.grad && !t.accumulator) return "no gradient (grad and accumulator are both null)";
   if (t.grad && !valid_grad_dtype(t.grad_dtype)) return "grad dtype must be fp32, bf16 or fp16";
+  if (const std::string rows = check_grad_rows(t); !rows.empty()) return rows;
   if (t.out16 && t.out_dtype != zf::kBF16 && t.out_dtype != zf::kF16) {
     return "out16 dtype must be bf16 or fp16";
   }
@@ -115,12 +132,12 @@ std::string check_accumulation(const TensorWork& t) {
   if (t.numel == 0) return "";
   if (!t.accumulator || !t.grad) return "null accumulator or grad";
   if (!valid_grad_dtype(t.grad_dtype)) return "grad dtype must be fp32, bf16 or fp16";
-  return "";
+  return check_grad_rows(t);
 }
 
 }  // namespace
 
-ZF_API int zf_abi_version() { return 5; }
+ZF_API int zf_abi_version() { return 6; }
 
 ZF_API void zf_record_sizes(int64_t* tensor_work, int64_t* hyper) {
   *tensor_work = sizeof(TensorWork);

@@ -611,3 +611,56 @@ def test_job_seconds_are_its_run_time_not_its_time_in_the_queue():
     second = cpu_adam.submit_accumulate(*short_sum)
     second.wait()
     assert first.done() and 0 < second.seconds() < first.seconds() / 10
+
+
+def _gathered(seed, rows_kept, row_len, dtype):
+    """A gradient source of 3 * rows_kept rows and a permuted subset of them, as GatheredRows
+    and as the contiguous tensor they stand for."""
+    gen = torch.Generator().manual_seed(seed)
+    source = torch.randn(3 * rows_kept, row_len, generator=gen).to(dtype)
+    index = torch.randperm(3 * rows_kept, generator=gen)[:rows_kept]
+    return cpu_adam.GatheredRows(source, index), source.index_select(0, index).flatten()
+
+
+@pytest.mark.parametrize("kind", ["step", "boundary", "accumulate"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gathered_rows_equal_the_rows_gathered_first(kind, dtype):
+    """Rows of 37 (vector tails in every row), per-row steps that repeat (runs that would span
+    rows), a tensor larger than a task (rows split across threads)."""
+    row_len, row_counts = 37, [3, 2000]
+    for isa in _supported_isas():
+        cpu_adam._force_isa_for_tests(isa)
+        cpu_adam.set_num_threads(3)
+        results = []
+        for gathered in (True, False):
+            grads = [_gathered(7 + i, rows, row_len, dtype) for i, rows in enumerate(row_counts)]
+            grads = [g if gathered else flat for g, flat in grads]
+            numels = [rows * row_len for rows in row_counts]
+            if kind == "accumulate":
+                accs = [torch.linspace(-1, 1, n) for n in numels]
+                cpu_adam.submit_accumulate(accs, grads, scale=0.37).wait()
+                results.append(accs)
+                continue
+            args = _job(11, numels, torch.float32, torch.bfloat16, kind == "boundary")
+            args["steps"] = [torch.arange(rows) // 4 + 1 for rows in row_counts]
+            args["segment_len"] = row_len
+            args["last_grads" if kind == "boundary" else "grads"] = grads
+            results.append(_run_job(args, kind == "boundary"))
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b), isa
+
+
+@pytest.mark.parametrize(
+    "index, error, match",
+    [
+        (torch.tensor([0, 6]), ValueError, r"grad row index 6 \(row 1\) outside the gradient's 6"),
+        (torch.tensor([0, -1]), ValueError, r"grad row index -1 \(row 1\)"),
+        (torch.tensor([0, 1, 2]), ValueError, r"gathers 3 rows of 4 elements but accumulators"),
+        (torch.tensor([0, 1], dtype=torch.int32), TypeError, "1-D int64 CPU tensor"),
+        (torch.tensor([0, 9, 1])[::2], ValueError, r"index is not contiguous"),
+    ],
+)
+def test_gathered_rows_reject_bad_indices(index, error, match):
+    source = torch.zeros(6, 4)
+    with pytest.raises(error, match=match):
+        cpu_adam.submit_accumulate([torch.zeros(8)], [cpu_adam.GatheredRows(source, index)])

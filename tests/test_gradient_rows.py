@@ -6,6 +6,7 @@ import torch
 from torch.testing import assert_close
 
 from tests.forked import result_in_forked_child
+from zenflow.runtime import cpu_adam
 from zenflow.runtime import split_weight as split_weight_module
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.gradient_rows import FACTOR_RATIO, TILED_GATHER_MIN_ELEMENTS, gather_rows
@@ -116,8 +117,9 @@ def test_rows_are_gathered_by_the_order_only_where_they_are_staged_as_one_tensor
 ):
     """Before the first selection (and with topk 0, always) the rows' order is the gradient's
     own: they are formed with no index to gather by. After a selection, a host block (one
-    process on the CPU) still takes them in natural order and only the rows out of their
-    natural place are moved; rows staged as one tensor are formed in the order."""
+    process on the CPU) still takes them in natural order, and only the rows out of their
+    natural place are moved, where they are asked for in host row order; rows staged as one
+    tensor are formed in the order."""
     calls = record_row_forming(monkeypatch)
     w = split_weight(accumulate_on_device, selected=None)
     x, dy = torch.randn(16, COLUMNS), torch.randn(16, OUT)
@@ -135,6 +137,29 @@ def test_rows_are_gathered_by_the_order_only_where_they_are_staged_as_one_tensor
         # SELECTED from the natural order: 3 stays in front, 7, 11 and 30 swap with 0, 1, 2.
         positions, columns = w._host_row_moves()
         assert positions.tolist() == [7, 11, 30] and columns.tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("selected", [SELECTED, "reselected"])
+def test_the_backward_leaves_the_host_rows_where_the_product_put_them(selected):
+    """One process on the CPU: after a selection the block keeps the product in natural order
+    (nothing moved in backward); the step's scores and norm come from it as it is, the CPU pool
+    reads the host rows there, and only asking for them in host row order moves any."""
+    g = torch.Generator().manual_seed(1)
+    w = split_weight(accumulate_on_device=False, selected=selected)
+    x, dy = torch.randn(16, COLUMNS, generator=g), torch.randn(16, OUT, generator=g)
+    grad_t = x.t() @ dy
+    hand_over(w, "matmul", x, dy)
+    w.reduce_staged()
+    assert torch.equal(w._stage_block, grad_t)
+    assert_close(w.column_scores(), grad_t.square().sum(1), rtol=1e-5, atol=1e-4)
+    assert float(w.staged_norm_sq()) == pytest.approx(float(grad_t.double().square().sum()))
+    gathered = w.unselected_staged()
+    window_sum = torch.zeros(COLUMNS - w.k, OUT)
+    cpu_adam.submit_accumulate([window_sum], [gathered]).wait()
+    assert torch.equal(window_sum, grad_t[w.order[w.k :]])
+    assert torch.equal(w._stage_block, grad_t)  # still nothing moved
+    assert torch.equal(w.host_stage, grad_t[w.order[w.k :]])
+    assert w.host_stage.data_ptr() == w._stage_block[w.k :].data_ptr()
 
 
 def test_a_small_batch_is_kept_as_factors_only_where_the_host_stages():

@@ -27,6 +27,11 @@ ZenFlow's column-major layout, one column of a weight); a tensor with per-segmen
 ``ceil(numel / segment_len)`` of them. The kernel only reads steps; the caller increments them.
 ``segment_len`` is one int, or a list with one entry per tensor.
 
+Gathered gradients: a gradient may be given as ``GatheredRows(source, index)``, the rows
+``source[index]`` of a 2-D tensor, which the job reads where they are instead of their being
+gathered into a tensor first (a weight's host rows inside a gradient laid out in natural column
+order).
+
 Asynchrony: ``submit_*`` returns a :class:`CPUAdamHandle` at once; the tensors must stay
 untouched until ``wait()`` returns. A failure inside a worker thread is raised by ``wait()`` as
 :class:`CPUAdamError`; the tensors' contents are then unspecified. Jobs run in submission order.
@@ -41,12 +46,14 @@ import os
 import threading
 import warnings
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 __all__ = [
     "CPUAdamError",
     "CPUAdamHandle",
+    "GatheredRows",
     "adamw_step",
     "boundary_adamw_step",
     "get_num_threads",
@@ -61,7 +68,7 @@ __all__ = [
 ]
 
 BUILD_HINT = "run `pip install -e .` (or `make install`) in the zenflow checkout to build csrc/"
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 _GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _OUT_DTYPES = {torch.bfloat16: 1, torch.float16: 2}
 _ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512"}
@@ -88,7 +95,18 @@ class _TensorWork(ctypes.Structure):
         ("step", ctypes.c_int64),
         ("segment_steps", ctypes.c_void_p),
         ("segment_len", ctypes.c_int64),
+        ("grad_rows", ctypes.c_void_p),
+        ("grad_row_len", ctypes.c_int64),
+        ("grad_row_count", ctypes.c_int64),
     ]
+
+
+class GatheredRows(NamedTuple):
+    """A gradient given as the rows ``source[index]`` of a 2-D tensor, read in place by the job
+    (``index``: a contiguous int64 CPU tensor; the job keeps both alive and unwritten)."""
+
+    source: torch.Tensor
+    index: torch.Tensor
 
 
 class _Hyper(ctypes.Structure):
@@ -275,20 +293,48 @@ def _index_list(value, count: int, name: str) -> list:
     return [value] * count
 
 
-def _check_tensor(t, name: str, i: int, dtypes, numel: int | None, of: str = "params") -> None:
+def _check_tensor(
+    t, name: str, i: int | None, dtypes, numel: int | None, of: str = "params"
+) -> None:
+    label = name if i is None else f"{name}[{i}]"
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{label} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
-        raise ValueError(f"{name}[{i}] is on {t.device}; CPU AdamW takes CPU tensors")
+        raise ValueError(f"{label} is on {t.device}; CPU AdamW takes CPU tensors")
     if t.layout != torch.strided:
-        raise TypeError(f"{name}[{i}] has layout {t.layout}; CPU AdamW takes dense tensors")
+        raise TypeError(f"{label} has layout {t.layout}; CPU AdamW takes dense tensors")
     if t.dtype not in dtypes:
         allowed = ", ".join(str(d) for d in dtypes)
-        raise TypeError(f"{name}[{i}] has dtype {t.dtype}; expected {allowed}")
+        raise TypeError(f"{label} has dtype {t.dtype}; expected {allowed}")
     if not t.is_contiguous():
-        raise ValueError(f"{name}[{i}] is not contiguous; pass a contiguous tensor (.contiguous())")
+        raise ValueError(f"{label} is not contiguous; pass a contiguous tensor (.contiguous())")
     if numel is not None and t.numel() != numel:
-        raise ValueError(f"{name}[{i}] has {t.numel()} elements but {of}[{i}] has {numel}")
+        raise ValueError(f"{label} has {t.numel()} elements but {of}[{i}] has {numel}")
+
+
+def _set_grad(record, grad, name: str, i: int, numel: int, of: str = "params") -> None:
+    """Points ``record`` at ``grad``, a tensor of ``numel`` elements or ``GatheredRows`` of as
+    many (csrc checks that each index is inside the source)."""
+    if isinstance(grad, GatheredRows):
+        source, index = grad
+        _check_tensor(source, f"{name}[{i}].source", None, tuple(_GRAD_DTYPES), None)
+        if source.dim() != 2:
+            raise ValueError(f"{name}[{i}].source must be 2-D, got shape {tuple(source.shape)}")
+        if index.device.type != "cpu" or index.dtype != torch.int64 or index.dim() != 1:
+            raise TypeError(f"{name}[{i}].index must be a 1-D int64 CPU tensor")
+        if not index.is_contiguous():
+            raise ValueError(f"{name}[{i}].index is not contiguous")
+        if index.numel() * source.shape[1] != numel:
+            raise ValueError(
+                f"{name}[{i}] gathers {index.numel()} rows of {source.shape[1]} elements but "
+                f"{of}[{i}] has {numel}"
+            )
+        record.grad_rows, record.grad_row_len = index.data_ptr(), source.shape[1]
+        record.grad_row_count = source.shape[0]
+        grad = source
+    else:
+        _check_tensor(grad, name, i, tuple(_GRAD_DTYPES), numel, of=of)
+    record.grad, record.grad_dtype = grad.data_ptr(), _GRAD_DTYPES[grad.dtype]
 
 
 def _submit(
@@ -338,9 +384,7 @@ def _submit(
         _check_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, f32, numel)
         r.exp_avg, r.exp_avg_sq = exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr()
         if grads is not None and grads[i] is not None:
-            name = "grads" if accumulators is None else "last_grads"
-            _check_tensor(grads[i], name, i, tuple(_GRAD_DTYPES), numel)
-            r.grad, r.grad_dtype = grads[i].data_ptr(), _GRAD_DTYPES[grads[i].dtype]
+            _set_grad(r, grads[i], "grads" if accumulators is None else "last_grads", i, numel)
         elif accumulators is None:
             raise ValueError(f"grads[{i}] is None")
         if accumulators is not None:
@@ -483,17 +527,17 @@ def submit_accumulate(
     """Queues ``accumulators[i] += scale * grads[i]`` (torch's ``add_(grad, alpha=scale)``, bit
     for bit) behind the jobs already queued, and returns at once: a window's sum built on the
     pool instead of the training thread. Accumulators are contiguous fp32 CPU tensors, gradients
-    contiguous fp32, bf16 or fp16 CPU tensors of the same size."""
+    contiguous fp32, bf16 or fp16 CPU tensors of the same size (or ``GatheredRows`` of as many
+    elements)."""
     lib = _load()
     if len(grads) != len(accumulators):
         raise ValueError(f"grads has {len(grads)} tensors for {len(accumulators)} accumulators")
     records = (_TensorWork * max(len(accumulators), 1))()
     for i, (acc, grad) in enumerate(zip(accumulators, grads, strict=True)):
         _check_tensor(acc, "accumulators", i, (torch.float32,), None)
-        _check_tensor(grad, "grads", i, tuple(_GRAD_DTYPES), acc.numel(), of="accumulators")
         r = records[i]
+        _set_grad(r, grad, "grads", i, acc.numel(), of="accumulators")
         r.accumulator, r.numel = acc.data_ptr(), acc.numel()
-        r.grad, r.grad_dtype = grad.data_ptr(), _GRAD_DTYPES[grad.dtype]
     hyper = _Hyper(grad_scale=float(scale))
     keepalive = [list(accumulators), list(grads)]
     count = len(accumulators)

@@ -20,7 +20,7 @@ updated columns back is then a copy of contiguous rows rather than a strided sca
 A step's gradient arrives from a compiled graph as a matmul's two factors (``stage_matmul``) or
 as ``G.T`` (``stage_columns``; the eager path hands ``.grad`` over the same way). Its rows are
 formed here in ``order``, straight into the buffers that keep them (with one process on the CPU:
-in natural order into the host block, whose few rows out of their natural place are then moved);
+in natural order into the host block, where the CPU pool reads the host rows in place);
 for a batch much smaller than the weight the factors themselves are kept (``stage_factors``):
 then the selected rows and the window's sum are products formed after the step's checks.
 
@@ -35,7 +35,7 @@ import functools
 import torch
 
 from zenflow.columns import column_count, column_major, column_rows, is_column_major
-from zenflow.runtime import registry
+from zenflow.runtime import cpu_adam, registry
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.gradient_rows import (
     factors_pay,
@@ -100,6 +100,8 @@ class SplitWeight:
         # rows are the block's unselected part of one, so a reselection reorders them in place.
         self._spare_blocks: list[torch.Tensor] = []
         self._stage_block: torch.Tensor | None = None
+        # The staged host rows are still in the block's natural order (``_stage_rows``).
+        self._host_rows_in_place = False
         self._host_copy = None
         # A later micro-batch's rows on their way to the host, and their block.
         self._part_copy: tuple[PendingCopy, torch.Tensor] | None = None
@@ -205,12 +207,13 @@ class SplitWeight:
 
         Where the host buffers are the staging buffers (``stages_on_host``: one process, the
         weight on the CPU), the first micro-batch's rows are formed in natural order straight
-        into a host block (one process: the block's rows are ``order``'s), with no gather:
-        the selected rows are copied out (a small part) and the few unselected rows a selection
-        put out of their natural place are moved to theirs; their importance waits until the
-        step asks for it. Otherwise the rows are formed in ``order`` as one tensor and staged
-        (``stage``), their importance taken next to them on the device (with one rank; with
-        several it comes from the reduced sum)."""
+        into a host block, with no gather, and only the selected rows are copied out (a small
+        part). The unselected rows stay where the product put them: the CPU pool reads them
+        there (``unselected_staged``), and the step takes every column's importance from the
+        block as it is; only what needs them in host row order (``host_stage``) has the few that
+        a selection put out of their natural place moved first. Otherwise the rows are formed
+        in ``order`` as one tensor and staged (``stage``), their importance taken next to them
+        on the device (with one rank; with several it comes from the reduced sum)."""
         if self.factor_parts:
             _refuse_mixed_staging()
         if self.micro_batches or not self.stages_on_host:
@@ -220,17 +223,27 @@ class SplitWeight:
                 self._scores = _squared_row_norms(rows)
             return
         block = rows_at(None, out=self._take_block(dtype))
-        # The selected rows first: the moves below write over some of their natural places.
         selected = block.index_select(0, self.selected_columns)
         self.device_stage = selected if dtype == torch.float32 else selected.float()
+        self._stage_block = block
+        self._host_rows_in_place = True
+        self.staged_bytes += (self.columns - self.k) * self.out * block.element_size()
+        self.micro_batches = 1
+
+    def _put_host_rows_in_order(self) -> None:
+        """Staged rows still in natural order in their block: move the few host rows a
+        selection put out of their natural place to their host row positions, so that the host
+        rows are ``block[k:]``. (The selected rows were copied out at staging: the moves write
+        over some of their natural places.)"""
+        if not self._host_rows_in_place:
+            return
+        block = self._stage_block
         moves = self._host_row_moves()
         if moves is not None:
             positions, columns = moves
             block.index_copy_(0, positions, block.index_select(0, columns))
-        self._stage_block = block
-        self._host_stage = host = block[self.k :]
-        self.staged_bytes += host.numel() * host.element_size()
-        self.micro_batches = 1
+        self._host_stage = block[self.k :]
+        self._host_rows_in_place = False
 
     def _host_row_moves(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One process: the host rows (block positions from ``k`` on) whose column is not the
@@ -355,15 +368,25 @@ class SplitWeight:
 
     @property
     def host_stage(self) -> torch.Tensor | None:
-        """This rank's staged unselected rows (on the host; on the device with
-        ``accumulate_on_device``). Reading them waits for their copy to the host to land, so
-        a step queues its device-side work before that wait, not after."""
+        """This rank's staged unselected rows in host row order (on the host; on the device
+        with ``accumulate_on_device``). Reading them waits for their copy to the host to land,
+        so a step queues its device-side work before that wait, not after."""
         self._finish_host_copy()
+        self._put_host_rows_in_order()
         return self._host_stage
 
     @host_stage.setter
     def host_stage(self, rows: torch.Tensor | None) -> None:
         self._host_stage = rows
+        self._host_rows_in_place = False
+
+    def unselected_staged(self) -> torch.Tensor | cpu_adam.GatheredRows:
+        """``host_stage``'s rows for a CPU pool job, which reads them where they are: still in
+        their staging block's natural order (one process), they are that block's rows at the
+        host columns, with nothing moved."""
+        if self._host_rows_in_place:
+            return cpu_adam.GatheredRows(self._stage_block, self._host_columns())
+        return self.host_stage
 
     def _finish_host_copy(self) -> None:
         """Wait for the rows still on their way to the host; a later micro-batch's are added
@@ -380,6 +403,7 @@ class SplitWeight:
     def _add_into_host_stage(self, rows: torch.Tensor) -> None:
         """A later micro-batch's unselected rows into the staged ones, summed in fp32 (the
         first micro-batch's, staged in their own dtype, are widened once)."""
+        self._put_host_rows_in_order()
         if self._host_stage.dtype != torch.float32:
             self._host_stage = self._host_stage.float()
         self._host_stage += rows.to(self._host_stage.device, torch.float32)
@@ -403,7 +427,7 @@ class SplitWeight:
         """The window's CPU update folds this step's staged rows in itself (``last_grad``): they,
         and the block they live in (``last_grad_block``, given back by whoever waits for that
         update), outlive the step."""
-        self.last_grad = self.host_stage
+        self.last_grad = self.unselected_staged()
         self.last_grad_block, self._stage_block = self._stage_block, None
 
     def discard_staged(self) -> None:
@@ -455,6 +479,9 @@ class SplitWeight:
         (``_stage_rows``); with several micro-batches always from their sum, since norms of
         parts do not add up.
         """
+        if self._scores is None and self._host_rows_in_place:
+            # Every column's row, selected or not, is in the block at its natural place.
+            self._scores = _squared_row_norms(self._stage_block)[self.order]
         if self._scores is None:
             device_part = _squared_row_norms(self.device_stage).cpu()
             host_part = torch.zeros(self.columns - self.k)
@@ -525,7 +552,7 @@ class SplitWeight:
         """This step's unselected rows (host row order), and the block they live in, for a job
         that reads them after the step: the weight forgets the block, so the next backward does
         not stage into it; the job's owner gives it back (``release_block``) once done."""
-        rows, block = self.host_stage, self._stage_block
+        rows, block = self.unselected_staged(), self._stage_block
         self._stage_block = None
         return rows, block
 
