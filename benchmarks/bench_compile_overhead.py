@@ -11,13 +11,16 @@ process: with backend "inductor", and with backend "zenflow" plus a ZenFlowAdamW
 runtime, which forms its rows in its column order straight into the host buffers (or, for a
 batch far smaller than the weight, keeps the gradient's two factors and leaves the product to
 ``step()``: try ``--batch 1 --seq 32``). Per-column importance is taken in ``step()`` from the
-staged rows, so select steps and update_interval "auto" run the same backward. Forward
-passes are not timed; backward passes of the two alternate (noise hits both alike) and
-``opt.zero_grad()`` (zenflow) / ``model.zero_grad()`` (inductor) discards the gradients between
-iterations. Table 1: median backward time, and the ratio as the median over iterations of each
-zenflow pass divided by the inductor pass next to it (this shared VM's speed drifts by more
-than the difference measured, over seconds), before the first selection (k = 0: every column
-goes to the host, in its natural order) and after it (k = 10 % of each weight's columns stay).
+staged rows, so select steps and update_interval "auto" run the same backward. A third model,
+compiled with Inductor as well, is the control. Forward passes are not timed; each iteration
+runs one backward pass of each model on the same batch, in an order that rotates (noise hits
+all alike), and ``opt.zero_grad()`` (zenflow) / ``model.zero_grad()`` (inductor) discards the
+gradients between passes. Table 1: median backward time, and the ratio as the median over
+iterations of each pass divided by the Inductor pass of the same iteration (this shared VM's
+speed drifts by more than the difference measured, over seconds), for zenflow before the first
+selection (k = 0: every column goes to the host, in its natural order) and after it (k = 10 %
+of each weight's columns stay), and for the control, whose ratio is what the method reads
+between two identical backends.
 
 Table 2: the zenflow optimizer's ``step()`` (topk 0.1, update_interval 4, select_interval 8,
 overlap_step) over select cycles after a first warm-up cycle, by kind of step: ordinary (device
@@ -57,7 +60,7 @@ SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_interval=8, overlap_st
 def _args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, no Inductor (smoke)")
-    parser.add_argument("--iters", type=int, default=None, help="timed backward passes (40)")
+    parser.add_argument("--iters", type=int, default=None, help="timed backward passes (150)")
     parser.add_argument("--cycles", type=int, default=None, help="select cycles stepped (4)")
     parser.add_argument("--vocab", type=int, default=None)
     parser.add_argument("--width", type=int, default=None)
@@ -80,7 +83,7 @@ def _args(argv=None):
     quick = dict(
         iters=5, cycles=2, vocab=64, width=32, layers=1, heads=2, seq=16, batch=2, inner="eager"
     )
-    full = dict(iters=40, cycles=4, vocab=4096, width=256, layers=2, heads=4, seq=128, batch=4)
+    full = dict(iters=150, cycles=4, vocab=4096, width=256, layers=2, heads=4, seq=128, batch=4)
     full["inner"] = "inductor"
     for name, value in (quick if args.quick else full).items():
         if getattr(args, name) is None:
@@ -131,7 +134,7 @@ def main() -> None:
     if args.hand_over_only:
         _hand_over_cost(args, torch.device(args.device))
         return
-    zf_model, ref_model = _model(args), _model(args)
+    zf_model, ref_model, control_model = _model(args), _model(args), _model(args)
     params = sum(p.numel() for p in zf_model.parameters())
     print(
         f"model: GPT, vocab {args.vocab}, width {args.width}, {args.layers} layers, "
@@ -141,10 +144,12 @@ def main() -> None:
     if args.inner == "inductor":
         zf_compiled = torch.compile(zf_model, backend="zenflow")
         ref_compiled = torch.compile(ref_model, backend="inductor")
+        control_compiled = torch.compile(control_model, backend="inductor")
         names = ("zenflow", "inductor")
     else:
         zf_compiled = torch.compile(zf_model, backend="zenflow", options={"inner": "eager"})
         ref_compiled = torch.compile(ref_model, backend="aot_eager")
+        control_compiled = torch.compile(control_model, backend="aot_eager")
         names = ("zenflow (inner eager)", "aot_eager")
     opt = zenflow.ZenFlowAdamW(zf_model.parameters(), lr=1e-4, step_backend="eager", **SETTINGS)
 
@@ -159,19 +164,25 @@ def main() -> None:
         _timed_backward(ref_compiled, _batch(args, i))
         ref_model.zero_grad(set_to_none=True)
     ref_compile = time.perf_counter() - started
+    for i in range(2):
+        _timed_backward(control_compiled, _batch(args, i))
+        control_model.zero_grad(set_to_none=True)
 
-    def interleaved(first_batch: int) -> tuple[list[float], list[float]]:
-        zf_times, ref_times = [], []
+    def interleaved(first_batch: int) -> tuple[list[float], list[float], list[float]]:
+        """Backward times of zenflow, Inductor and a second Inductor model (the control: what
+        this method reads between two identical backends), each pass's position in the
+        iteration rotating."""
+        runs = [
+            (zf_compiled, [], opt.zero_grad),  # discards the staged gradient: nothing is stepped
+            (ref_compiled, [], lambda: ref_model.zero_grad(set_to_none=True)),
+            (control_compiled, [], lambda: control_model.zero_grad(set_to_none=True)),
+        ]
         for i in range(args.iters):
             batch = _batch(args, first_batch + i)
-            pair = [(zf_compiled, zf_times), (ref_compiled, ref_times)]
-            for model, times in pair if i % 2 == 0 else pair[::-1]:
+            for model, times, discard in runs[i % 3 :] + runs[: i % 3]:
                 times.append(_timed_backward(model, batch))
-                if model is zf_compiled:
-                    opt.zero_grad()  # discard the staged gradient: nothing is stepped
-                else:
-                    ref_model.zero_grad(set_to_none=True)
-        return zf_times, ref_times
+                discard()
+        return tuple(times for _, times, _ in runs)
 
     before_selection = interleaved(0)
 
@@ -205,28 +216,29 @@ def main() -> None:
     stats = opt.stats()
     after_selection = interleaved(1000)
 
-    print(f"\n## backward, median of {args.iters}, alternating with {names[1]}")
+    print(f"\n## backward, median of {args.iters}, interleaved with {names[1]}")
+    zf_k0, ref_k0, control_k0 = before_selection
+    zf_k, ref_k, control_k = after_selection
     rows = (
-        (f"{names[0]}, k = 0 (no selection yet)", before_selection, zf_compile),
-        (f"{names[0]}, k = {stats['selected_fraction']:.0%} selected", after_selection, None),
+        (f"{names[0]}, k = 0 (no selection yet)", zf_k0, ref_k0, f"{zf_compile:.1f}s"),
+        (f"{names[0]}, k = {stats['selected_fraction']:.0%} selected", zf_k, ref_k, ""),
+        (f"{names[1]}, a second model (control)", control_k0 + control_k, ref_k0 + ref_k, ""),
+        (names[1], ref_k0 + ref_k, ref_k0 + ref_k, f"{ref_compile:.1f}s"),
     )
-    w = max(len(name) for name, _, _ in rows)
+    w = max(len(name) for name, _, _, _ in rows)
     header = f"{'backend':<{w}} {'backward':>10} {'min':>10} {'first 2 iters':>14} {'ratio':>7}"
     print(header)
     print("-" * len(header))
-    ref_all = before_selection[1] + after_selection[1]
-    for name, (zf_times, ref_times), first in rows:
-        ratio = statistics.median(z / r for z, r in zip(zf_times, ref_times, strict=True))
+    for name, times, ref_times, first in rows:
+        ratio = statistics.median(t / r for t, r in zip(times, ref_times, strict=True))
         print(
-            f"{name:<{w}} {1000 * statistics.median(zf_times):>8.2f}ms "
-            f"{1000 * min(zf_times):>8.2f}ms {'' if first is None else f'{first:.1f}s':>14} "
-            f"{ratio:>6.2f}x"
+            f"{name:<{w}} {1000 * statistics.median(times):>8.2f}ms "
+            f"{1000 * min(times):>8.2f}ms {first:>14} {ratio:>6.2f}x"
         )
     print(
-        f"{names[1]:<{w}} {1000 * statistics.median(ref_all):>8.2f}ms {1000 * min(ref_all):>8.2f}ms "
-        f"{f'{ref_compile:.1f}s':>14} {1.0:>6.2f}x"
+        f"(ratio: median over iterations of a pass / the {names[1]} pass of the same iteration; "
+        "the control reads what this method reads between two identical backends)"
     )
-    print("(ratio: median over iterations of zenflow's pass / the inductor pass next to it)")
     print(
         f"\n## ZenFlowAdamW.step() (step_backend eager, topk {SETTINGS['topk_ratio']}, "
         f"update_interval {SETTINGS['update_interval']}, select_interval "
