@@ -113,12 +113,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     Args beyond AdamW's are the fields of DeepSpeed's ``zero_optimization.zenflow`` block (same
     meaning and validation; an int ``select_interval`` means every that many steps) and
     zenflow's extensions of it (``accumulate_on_device``, ``min_update_interval``,
-    ``max_update_interval``: see ``zenflow.config``), plus ``max_grad_norm`` (clip by global norm each step), ``step_backend``: "inductor" compiles
-    the device update, "eager" runs it as plain PyTorch (``torch._foreach`` ops), "auto"
-    (default) picks eager for parameters on a GPU and Inductor on the CPU (see
-    ``zenflow.runtime.selective_step.step_backend_for``; settable later, as
-    ``opt.step_backend = "auto"``; reads back the backend it resolved to), and ``nonfinite``:
-    what a step whose gradient norm is NaN or infinite does. "raise" (default) raises
+    ``max_update_interval``: see ``zenflow.config``), plus ``max_grad_norm`` (clip by global
+    norm each step), ``step_backend``: "inductor" compiles the device update, "eager" runs it
+    as plain PyTorch (``torch._foreach`` ops), "auto" (default) picks eager for parameters on a
+    GPU and Inductor on the CPU (see ``zenflow.runtime.selective_step.step_backend_for``;
+    settable later, as ``opt.step_backend = "auto"``; reads back the backend it resolved to),
+    and ``nonfinite``: what a step whose gradient norm is NaN or infinite does. "raise" (default) raises
     ``NonFiniteGradientError``; "skip" skips it (counted in ``stats()["skipped_steps"]``, see
     ``last_step_skipped``), as fp16 loss scaling needs. Either way nothing is committed.
 
