@@ -25,18 +25,40 @@ def train(model, opt, data):
         opt.step()
 
 
-def test_save_mid_window_with_an_overlapped_update_pending_resumes_bitwise():
-    # The window after the save ends without a reselection, so the pending update matters.
-    settings = {**SETTINGS, "select_interval": 12}
-    data = batches("mlp", 20)
+@pytest.mark.parametrize(
+    "schedule, steps, save_at, window_steps",
+    [
+        # The window after the save ends without a reselection, so the pending update matters.
+        (dict(select_interval=12), 20, 7, 1),
+        # Windows of 4, 5 and 3 steps, each update's lr scaled by its own length: saved two
+        # steps into the 5-step one, with the 4-step one's update still running.
+        (
+            dict(
+                update_interval="auto",
+                min_update_interval=2,
+                max_update_interval=6,
+                select_interval=12,
+            ),
+            24,
+            6,
+            2,
+        ),
+    ],
+    ids=["fixed interval", "auto interval"],
+)
+def test_save_mid_window_with_an_overlapped_update_pending_resumes_bitwise(
+    schedule, steps, save_at, window_steps
+):
+    settings = {**SETTINGS, **schedule}
+    data = batches("mlp", steps)
     straight = build("mlp")
     straight_opt = ZenFlowAdamW(straight.parameters(), step_backend="eager", **settings)
     train(straight, straight_opt, data)
 
     first = build("mlp")
     first_opt = ZenFlowAdamW(first.parameters(), step_backend="eager", **settings)
-    train(first, first_opt, data[:7])  # mid-window, with window 3's update still pending
-    assert first_opt._pending and first_opt.window_steps == 1
+    train(first, first_opt, data[:save_at])
+    assert first_opt._pending and first_opt.window_steps == window_steps
     saved_model = {k: v.clone() for k, v in first.state_dict().items()}
     saved_opt = first_opt.state_dict()
 
@@ -44,39 +66,11 @@ def test_save_mid_window_with_an_overlapped_update_pending_resumes_bitwise():
     resumed.load_state_dict(saved_model)
     resumed_opt = ZenFlowAdamW(resumed.parameters(), step_backend="eager", **settings)
     resumed_opt.load_state_dict(saved_opt)
-    train(resumed, resumed_opt, data[7:])
+    train(resumed, resumed_opt, data[save_at:])
     for a, b in zip(resumed.parameters(), straight.parameters(), strict=True):
         assert torch.equal(a, b)
-    assert resumed_opt.stats()["steps"] == 20
-
-
-def test_auto_interval_saved_mid_window_with_an_update_pending_resumes_bitwise():
-    """Windows of 4, 5 and 3 steps (each update's lr scaled by its own length), saved two steps
-    into the 5-step one, with the 4-step one's update still running."""
-    settings = {
-        **SETTINGS,
-        "update_interval": "auto",
-        "min_update_interval": 2,
-        "max_update_interval": 6,
-        "select_interval": 12,
-    }
-    data = batches("mlp", 24)
-    straight = build("mlp")
-    straight_opt = ZenFlowAdamW(straight.parameters(), step_backend="eager", **settings)
-    train(straight, straight_opt, data)
-
-    first = build("mlp")
-    first_opt = ZenFlowAdamW(first.parameters(), step_backend="eager", **settings)
-    train(first, first_opt, data[:6])
-    assert first_opt._pending and first_opt.window_steps == 2
-    resumed = build("mlp", seed=123)
-    resumed.load_state_dict(first.state_dict())
-    resumed_opt = ZenFlowAdamW(resumed.parameters(), step_backend="eager", **settings)
-    resumed_opt.load_state_dict(first_opt.state_dict())
-    train(resumed, resumed_opt, data[6:])
-    for a, b in zip(resumed.parameters(), straight.parameters(), strict=True):
-        assert torch.equal(a, b)
-    assert resumed_opt.stats()["cpu_updates"] == straight_opt.stats()["cpu_updates"] == 6
+    assert resumed_opt.stats()["steps"] == steps
+    assert resumed_opt.stats()["cpu_updates"] == straight_opt.stats()["cpu_updates"]
 
 
 def test_overlap_on_large_weights_equals_reference(staging):
