@@ -118,9 +118,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     as plain PyTorch (``torch._foreach`` ops), "auto" (default) picks eager for parameters on a
     GPU and Inductor on the CPU (see ``zenflow.runtime.selective_step.step_backend_for``;
     settable later, as ``opt.step_backend = "auto"``; reads back the backend it resolved to),
-    and ``nonfinite``: what a step whose gradient norm is NaN or infinite does. "raise" (default) raises
-    ``NonFiniteGradientError``; "skip" skips it (counted in ``stats()["skipped_steps"]``, see
-    ``last_step_skipped``), as fp16 loss scaling needs. Either way nothing is committed.
+    and ``nonfinite``: what a step whose gradient norm is NaN or infinite does. "raise"
+    (default) raises ``NonFiniteGradientError``; "skip" skips it (counted in
+    ``stats()["skipped_steps"]``, see ``last_step_skipped``), as fp16 loss scaling needs. Either
+    way nothing is committed.
 
     A failed CPU AdamW job or collective leaves host state undefined: the optimizer then refuses
     ``step()``, ``flush()`` and ``state_dict()`` (so that no checkpoint holds that state) until

@@ -427,8 +427,7 @@ class SplitWeight:
         """The window's CPU update folds this step's staged rows in itself (``last_grad``): they,
         and the block they live in (``last_grad_block``, given back by whoever waits for that
         update), outlive the step."""
-        self.last_grad = self.unselected_staged()
-        self.last_grad_block, self._stage_block = self._stage_block, None
+        self.last_grad, self.last_grad_block = self.hand_over_unselected()
 
     def discard_staged(self) -> None:
         # A copy still writing the block must end before the block is handed out again.
@@ -548,12 +547,16 @@ class SplitWeight:
         (``hand_over_unselected``): rows staged on the host, a sum on the host."""
         return not (self.accumulate_on_device or self.factor_parts)
 
-    def hand_over_unselected(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This step's unselected rows (host row order), and the block they live in, for a job
-        that reads them after the step: the weight forgets the block, so the next backward does
-        not stage into it; the job's owner gives it back (``release_block``) once done."""
+    def hand_over_unselected(
+        self,
+    ) -> tuple[torch.Tensor | cpu_adam.GatheredRows, torch.Tensor | None]:
+        """This step's unselected rows (``unselected_staged``), and the block they live in, for
+        a job that reads them after the step: the weight forgets the block, so the next backward
+        does not stage into it; the job's owner gives it back (``release_block``) once done."""
         rows, block = self.unselected_staged(), self._stage_block
         self._stage_block = None
+        # Rows left in place were the block's: none stay staged here without it.
+        self._host_rows_in_place = False
         return rows, block
 
     def defer_unselected(self, alpha: float) -> bool:
