@@ -9,7 +9,12 @@ from tests.forked import result_in_forked_child
 from zenflow.runtime import cpu_adam
 from zenflow.runtime import split_weight as split_weight_module
 from zenflow.runtime.comm import DataParallel
-from zenflow.runtime.gradient_rows import FACTOR_RATIO, TILED_GATHER_MIN_ELEMENTS, gather_rows
+from zenflow.runtime.gradient_rows import (
+    FACTOR_RATIO,
+    TILED_GATHER_MIN_ELEMENTS,
+    gather_rows,
+    lookup_grad_rows,
+)
 from zenflow.runtime.split_weight import SplitWeight
 from zenflow.runtime.streams import CopyStream
 
@@ -239,20 +244,39 @@ def test_a_tied_tables_lookup_gradient_is_added_into_its_columns(
 
 @pytest.mark.parametrize("accumulate_on_device", [False, True])
 @pytest.mark.parametrize("selected", SELECTIONS)
+# Fewer tokens than twice the table's OUT entries are added column by column; more are summed
+# as G and gathered transposed (a position embedding over a batch).
+@pytest.mark.parametrize("tokens", [9, 3 * OUT + 5])
 def test_a_tables_lookup_gradient_alone_is_its_rows_in_their_columns(
-    accumulate_on_device, selected
+    accumulate_on_device, selected, tokens
 ):
     g = torch.Generator().manual_seed(2)
     w = split_weight(accumulate_on_device, selected)
     for _ in range(2):  # the second step reuses the first one's host block: it must start at 0
-        ids = torch.randint(0, OUT, (9,), generator=g)
-        rows = torch.randn(9, COLUMNS, generator=g)
+        ids = torch.randint(0, OUT, (tokens,), generator=g)
+        rows = torch.randn(tokens, COLUMNS, generator=g)
         w.stage_lookup(rows, ids)
         w.reduce_staged()
+        # Either way each element's tokens are added in token order from zero.
         grad_t = torch.zeros(COLUMNS, OUT).index_add(1, ids, rows.t())
-        assert_close(w.selected_rows(), grad_t[w.order[: w.k]], rtol=1e-5, atol=1e-5)
-        assert_close(w.unselected_rows(), grad_t[w.order[w.k :]], rtol=1e-5, atol=1e-5)
+        assert torch.equal(w.selected_rows(), grad_t[w.order[: w.k]])
+        assert torch.equal(w.unselected_rows(), grad_t[w.order[w.k :]])
         w.discard_staged()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(24, 40), (300, 256)])  # the second takes the tiled gather
+def test_a_position_tables_gradient_is_summed_as_g_and_gathered_in_any_column_order(dtype, shape):
+    entries, columns = shape
+    g = torch.Generator().manual_seed(3)
+    ids = torch.arange(entries).repeat(3)[torch.randperm(3 * entries, generator=g)]
+    rows = torch.randn(ids.numel(), columns, generator=g).to(dtype)
+    grad_t = torch.zeros(columns, entries, dtype=dtype).index_add(1, ids, rows.t())
+    index = torch.randperm(columns, generator=g)
+    assert torch.equal(lookup_grad_rows(rows, ids, entries, index), grad_t[index])
+    out = torch.full((columns, entries), float("nan"), dtype=dtype)
+    assert lookup_grad_rows(rows, ids, entries, None, out=out) is out
+    assert torch.equal(out, grad_t)
 
 
 def _gather_in_child(queue):

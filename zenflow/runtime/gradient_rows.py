@@ -9,6 +9,8 @@ place, with no gather: no selection yet, ``topk_ratio`` 0, or a host block whose
 their natural place the runtime moves afterwards (``SplitWeight``).
 """
 
+import functools
+
 import torch
 
 from zenflow.runtime.cpu_adam import _load as load_library
@@ -123,6 +125,27 @@ def with_lookup_added(rows_at, lookup_rows, lookup_ids, index, out=None):
     else:
         by_column = lookup_rows.index_select(1, _on(index, lookup_rows.device)).t()
     return rows.index_add_(1, _on(lookup_ids, rows.device), by_column.to(rows.dtype))
+
+
+def lookup_grad_rows(lookup_rows, lookup_ids, entries: int, index, out=None) -> torch.Tensor:
+    """The rows at the columns ``index`` of an embedding table's gradient, ``G.T``
+    (``[columns, entries]``): zero but for ``lookup_rows[t]`` (``[tokens, columns]``) added into
+    column ``lookup_ids[t]``; into ``out`` when given.
+
+    A table with at most half as many entries as tokens looked up (a position embedding over a
+    batch) is summed as ``G`` (each token's row added into a contiguous row) and its rows
+    gathered transposed: adding into ``G.T``'s columns is a strided walk per token, which once
+    the tokens' rows outgrow the cache costs several times more (1024 entries of 768 on this
+    CPU: 2.3 against 1.2 ms for 2048 tokens, 9.8 against 1.2 ms for 4096). A larger table is
+    zeroed and added into column by column, which never passes over it twice (at 1024 tokens
+    into 1024 entries, 0.7 against 1.0 ms). Both add each element's tokens in token order from
+    zero: the same numbers."""
+    if 2 * entries <= lookup_ids.numel():
+        summed = lookup_rows.new_zeros(entries, lookup_rows.shape[1])
+        summed.index_add_(0, _on(lookup_ids, lookup_rows.device), lookup_rows)
+        return gather_rows(summed.t(), index, out=out)
+    zeros_at = functools.partial(zero_rows, lookup_rows, lookup_rows.shape[1], entries)
+    return with_lookup_added(zeros_at, lookup_rows, lookup_ids, index, out=out)
 
 
 def zero_rows(like: torch.Tensor, columns: int, width: int, index, out=None) -> torch.Tensor:

@@ -40,9 +40,9 @@ from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.gradient_rows import (
     factors_pay,
     gather_rows,
+    lookup_grad_rows,
     matmul_rows,
     with_lookup_added,
-    zero_rows,
 )
 from zenflow.runtime.streams import PendingCopy, copy_stream
 
@@ -191,8 +191,7 @@ class SplitWeight:
     def stage_lookup(self, lookup_rows: torch.Tensor, lookup_ids: torch.Tensor) -> None:
         """This micro-batch's gradient of an embedding table: ``G.T`` zero but for
         ``lookup_rows[t]`` (``[tokens, columns]``) added into column ``lookup_ids[t]``."""
-        rows_at = functools.partial(zero_rows, lookup_rows, self.columns, self.out)
-        rows_at = functools.partial(with_lookup_added, rows_at, lookup_rows, lookup_ids)
+        rows_at = functools.partial(lookup_grad_rows, lookup_rows, lookup_ids, self.out)
         self._stage_rows(rows_at, lookup_rows.dtype)
 
     def stage_columns(self, columns_by_out: torch.Tensor) -> None:
