@@ -15,12 +15,14 @@ staged rows, so select steps and update_interval "auto" run the same backward. A
 compiled with Inductor as well, is the control. Forward passes are not timed; each iteration
 runs one backward pass of each model on the same batch, in an order that rotates (noise hits
 all alike), and ``opt.zero_grad()`` (zenflow) / ``model.zero_grad()`` (inductor) discards the
-gradients between passes. Table 1: median backward time, and the ratio as the median over
-iterations of each pass divided by the Inductor pass of the same iteration (this shared VM's
-speed drifts by more than the difference measured, over seconds), for zenflow before the first
-selection (k = 0: every column goes to the host, in its natural order) and after it (k = 10 %
-of each weight's columns stay), and for the control, whose ratio is what the method reads
-between two identical backends.
+gradients between passes. Table 1: median backward time, median minor page faults per
+backward (Inductor's gradients are allocated anew each pass; past a size the allocator maps
+fresh pages for them, while zenflow stages into host blocks it keeps), and the ratio as the
+median over iterations of each pass divided by the Inductor pass of the same iteration (this
+shared VM's speed drifts by more than the difference measured, over seconds), for zenflow
+before the first selection (k = 0: every column goes to the host, in its natural order) and
+after it (k = 10 % of each weight's columns stay), and for the control, whose ratio is what
+the method reads between two identical backends.
 
 Table 2: the zenflow optimizer's ``step()`` (topk 0.1, update_interval 4, select_interval 8,
 overlap_step) over select cycles after a first warm-up cycle, by kind of step: ordinary (device
@@ -41,6 +43,7 @@ copy stream to pinned host buffers; host time, the launch queue drained before e
 import argparse
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -109,11 +112,17 @@ def _batch(args, step: int):
     return idx[:, :-1], idx[:, 1:]
 
 
-def _timed_backward(model, batch) -> float:
+def _timed_backward(model, batch, faults: list[int] | None = None) -> float:
+    """Seconds of ``loss.backward()``; appends to ``faults`` the minor page faults it took (a
+    fresh allocation's first touch of each page: gradients allocated anew every pass)."""
     _, loss = model(*batch)
+    faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     started = time.perf_counter()
     loss.backward()
-    return time.perf_counter() - started
+    elapsed = time.perf_counter() - started
+    if faults is not None:
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
+    return elapsed
 
 
 def _warm_up_compilation(backend: str) -> None:
@@ -168,21 +177,23 @@ def main() -> None:
         _timed_backward(control_compiled, _batch(args, i))
         control_model.zero_grad(set_to_none=True)
 
-    def interleaved(first_batch: int) -> tuple[list[float], list[float], list[float]]:
-        """Backward times of zenflow, Inductor and a second Inductor model (the control: what
-        this method reads between two identical backends), each pass's position in the
-        iteration rotating."""
+    def interleaved(first_batch: int) -> list[tuple[list[float], list[int]]]:
+        """Backward times and page faults of zenflow, Inductor and a second Inductor model (the
+        control: what this method reads between two identical backends), each pass's position
+        in the iteration rotating."""
         runs = [
-            (zf_compiled, [], opt.zero_grad),  # discards the staged gradient: nothing is stepped
-            (ref_compiled, [], lambda: ref_model.zero_grad(set_to_none=True)),
-            (control_compiled, [], lambda: control_model.zero_grad(set_to_none=True)),
+            (zf_compiled, opt.zero_grad),  # discards the staged gradient: nothing is stepped
+            (ref_compiled, lambda: ref_model.zero_grad(set_to_none=True)),
+            (control_compiled, lambda: control_model.zero_grad(set_to_none=True)),
         ]
+        measured = {model: ([], []) for model, _ in runs}
         for i in range(args.iters):
             batch = _batch(args, first_batch + i)
-            for model, times, discard in runs[i % 3 :] + runs[: i % 3]:
-                times.append(_timed_backward(model, batch))
+            for model, discard in runs[i % 3 :] + runs[: i % 3]:
+                times, faults = measured[model]
+                times.append(_timed_backward(model, batch, faults))
                 discard()
-        return tuple(times for _, times, _ in runs)
+        return [measured[model] for model, _ in runs]
 
     before_selection = interleaved(0)
 
@@ -217,27 +228,53 @@ def main() -> None:
     after_selection = interleaved(1000)
 
     print(f"\n## backward, median of {args.iters}, interleaved with {names[1]}")
-    zf_k0, ref_k0, control_k0 = before_selection
-    zf_k, ref_k, control_k = after_selection
-    rows = (
-        (f"{names[0]}, k = 0 (no selection yet)", zf_k0, ref_k0, f"{zf_compile:.1f}s"),
-        (f"{names[0]}, k = {stats['selected_fraction']:.0%} selected", zf_k, ref_k, ""),
-        (f"{names[1]}, a second model (control)", control_k0 + control_k, ref_k0 + ref_k, ""),
-        (names[1], ref_k0 + ref_k, ref_k0 + ref_k, f"{ref_compile:.1f}s"),
+    (zf_k0, zf_k0_faults), (ref_k0, ref_k0_faults), (control_k0, control_k0_faults) = (
+        before_selection
     )
-    w = max(len(name) for name, _, _, _ in rows)
-    header = f"{'backend':<{w}} {'backward':>10} {'min':>10} {'first 2 iters':>14} {'ratio':>7}"
+    (zf_k, zf_k_faults), (ref_k, ref_k_faults), (control_k, control_k_faults) = after_selection
+    ref, ref_faults = ref_k0 + ref_k, ref_k0_faults + ref_k_faults
+    rows = (
+        (
+            f"{names[0]}, k = 0 (no selection yet)",
+            zf_k0,
+            zf_k0_faults,
+            ref_k0,
+            f"{zf_compile:.1f}s",
+        ),
+        (
+            f"{names[0]}, k = {stats['selected_fraction']:.0%} selected",
+            zf_k,
+            zf_k_faults,
+            ref_k,
+            "",
+        ),
+        (
+            f"{names[1]}, a second model (control)",
+            control_k0 + control_k,
+            control_k0_faults + control_k_faults,
+            ref,
+            "",
+        ),
+        (names[1], ref, ref_faults, ref, f"{ref_compile:.1f}s"),
+    )
+    w = max(len(row[0]) for row in rows)
+    header = (
+        f"{'backend':<{w}} {'backward':>10} {'min':>10} {'page faults':>12} {'first 2 iters':>14} "
+        f"{'ratio':>7}"
+    )
     print(header)
     print("-" * len(header))
-    for name, times, ref_times, first in rows:
+    for name, times, faults, ref_times, first in rows:
         ratio = statistics.median(t / r for t, r in zip(times, ref_times, strict=True))
         print(
             f"{name:<{w}} {1000 * statistics.median(times):>8.2f}ms "
-            f"{1000 * min(times):>8.2f}ms {first:>14} {ratio:>6.2f}x"
+            f"{1000 * min(times):>8.2f}ms {statistics.median(faults):>12.0f} {first:>14} "
+            f"{ratio:>6.2f}x"
         )
     print(
         f"(ratio: median over iterations of a pass / the {names[1]} pass of the same iteration; "
-        "the control reads what this method reads between two identical backends)"
+        "the control reads what this method reads between two identical backends; page faults: "
+        "median minor faults per backward, a fresh allocation's first touch of its pages)"
     )
     print(
         f"\n## ZenFlowAdamW.step() (step_backend eager, topk {SETTINGS['topk_ratio']}, "

@@ -18,7 +18,7 @@ def test_bench_step_quick():
 
 def test_bench_compile_overhead_quick():
     out = _run("bench_compile_overhead.py")
-    assert "## backward" in out and "ratio" in out
+    assert "## backward" in out and "ratio" in out and "page faults" in out
     control = next(line for line in out.splitlines() if "(control)" in line)
     assert control.split()[-1].endswith("x")  # the control's ratio is printed
     assert "step kind" in out and "select (reselection)" in out
