@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_step.py [--quick] [--steps 24] [--regime both]
         [--width 1024] [--blocks 2] [--classes 2048] [--small-batch 4] [--large-batch 64]
+        [--ranges]
 
 Rows (same model, data, hyperparameters, gradient_accumulation_steps 1):
   zenflow            torch.compile(backend="zenflow") + ZenFlowAdamW(topk 0.1, update_interval 4,
@@ -30,6 +31,9 @@ host<->device per step (zenflow: from stats(); DeepSpeed: analytic estimate, mar
 loss over the last select cycle; ratios = zenflow's median (mean) step time / the row's. "best
 block" is the lowest of a row's per-block medians (one block = one select cycle): on a shared
 machine, where another job can land on some blocks and not others, its ratio is the steadier one.
+With --ranges, each zenflow row then runs one more select cycle under torch.profiler and prints
+its host time per step in each ``zenflow::`` range (write_selected and write_unselected are the
+write-backs into the row-major parameters).
 """
 
 import argparse
@@ -89,6 +93,11 @@ def _args(argv=None):
         'zenflow options={"inner": "eager"}, torch rows aot_eager (--quick)',
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process")
+    parser.add_argument(
+        "--ranges",
+        action="store_true",
+        help="zenflow rows: host time per step in each zenflow:: profiler range (one more cycle)",
+    )
     parser.add_argument(
         "--setup-timeout", type=float, default=None, help="seconds for all workers to be ready"
     )
@@ -270,7 +279,23 @@ def _worker(args) -> None:
         command = json.loads(line)
         if command.get("quit"):
             break
+        if command.get("ranges"):
+            _send(dict(ranges=_profiled_ranges(run, command["ranges"])))
+            continue
         _send(run(command["steps"]))
+
+
+def _profiled_ranges(run, steps: int) -> dict[str, float]:
+    """Host milliseconds per step in each ``zenflow::`` profiler range over ``steps`` steps."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run(steps)
+    return {
+        event.key: event.cpu_time_total / 1000 / steps
+        for event in prof.key_averages()
+        if event.key.startswith("zenflow::")
+    }
 
 
 # The parent: start the workers, drive them round robin, print the table.
@@ -304,6 +329,7 @@ class _Peer:
         self.times, self.step_times, self.losses = [], [], []
         self.block_medians: list[float] = []
         self.counters: dict = {}
+        self.ranges: dict[str, float] = {}
         self.params = 0
 
     def receive(self) -> dict | None:
@@ -349,6 +375,15 @@ class _Peer:
         self.losses += result["losses"]
         for k, v in result["counters"].items():
             self.counters[k] = self.counters.get(k, 0) + v
+
+    def profile_ranges(self, steps: int) -> None:
+        if self.error:
+            return
+        self.proc.stdin.write(json.dumps(dict(ranges=steps)) + "\n")
+        self.proc.stdin.flush()
+        result = self.receive()
+        if result is not None:
+            self.ranges = result["ranges"]
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -412,6 +447,10 @@ def _regime(args, name: str, rows: int, peers: list[str], log_dir: str, port: in
         order = running if b % 2 == 0 else running[::-1]
         for p in order:
             p.run(CYCLE)
+    if args.ranges:
+        for p in running:
+            if p.peer.startswith("zenflow"):
+                p.profile_ranges(CYCLE)
     for p in running:
         p.close()
 
@@ -462,6 +501,10 @@ def _regime(args, name: str, rows: int, peers: list[str], log_dir: str, port: in
             f"cpu_accumulate_s {c.get('cpu_accumulate_s', 0):.3f}, "
             f"optimizer_wait_s {c.get('optimizer_wait_s', 0):.3f}"
         )
+    for p in running:
+        if p.ranges:
+            ranges = ", ".join(f"{k} {v:.2f}" for k, v in sorted(p.ranges.items()))
+            print(f"{p.peer} host ms per step by profiler range ({CYCLE} profiled steps): {ranges}")
     print(f"({len(running)} processes, setup {setup:.0f}s, {args.steps} timed steps each)")
 
 

@@ -1,8 +1,10 @@
-// Gathering columns of a row-major matrix as rows: dst[i, r] = src[r, idx[i]]. This is how a
-// gradient that a backward graph produced row-major ([out, columns]) becomes zenflow's
-// column-major rows in the runtime's column order. A plain strided copy reads one element per
-// cache line; here the work goes in tiles small enough that every line read or written is used
-// whole while it is in cache, over a pool of full-priority threads the caller waits for.
+// Moving columns of a row-major matrix (a weight, [rows, cols]) to and from rows of zenflow's
+// column-major buffers ([n, rows], one row per column):
+//   gather:  dst[i, r] = src[r, idx[i]]   (a gradient produced row-major becomes rows)
+//   scatter: dst[r, idx[i]] = src[i, r]   (updated rows are written back into the weight)
+// A plain strided copy reads or writes one element per cache line; here the work goes in tiles
+// small enough that every line read or written is used whole while it is in cache, over a pool
+// of full-priority threads the caller waits for.
 #include <sched.h>
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "thread_pool.h"
 
@@ -18,10 +21,13 @@
 
 namespace {
 
-// The tile edge (a tile's source and destination lines stay in L1 together), and the source
-// rows a thread claims at a time.
+// The tile edge (a tile's source and destination lines stay in L1 together), and the rows of
+// the row-major matrix a thread claims at a time.
 constexpr int64_t kTile = 32;
 constexpr int64_t kChunkRows = 4 * kTile;
+// Elements of one 64-byte cache line.
+template <typename T>
+constexpr int64_t kLineElements = 64 / sizeof(T);
 
 int usable_cores() {
 #ifdef __linux__
@@ -34,20 +40,106 @@ int usable_cores() {
 // The caller's helpers: one thread per other usable core, at full priority (the caller waits).
 zf::LazyPool g_helpers(usable_cores() - 1, 0);
 
+// Gather: rows [r_begin, r_end) of the row-major matrix, tile by tile, read into the buffer's
+// rows (one per column): each tile's source and destination lines are used whole in L1.
 template <typename T>
-void gather_tile_rows(const T* src, int64_t src_stride, const int64_t* idx, int64_t n, T* dst,
-                      int64_t dst_stride, int64_t r_begin, int64_t r_end) {
+void gather_tiles(const T* matrix, int64_t matrix_stride, const int64_t* idx, int64_t n, T* rows,
+                  int64_t rows_stride, int64_t r_begin, int64_t r_end) {
   for (int64_t r0 = r_begin; r0 < r_end; r0 += kTile) {
     const int64_t r1 = std::min(r_end, r0 + kTile);
     for (int64_t i0 = 0; i0 < n; i0 += kTile) {
       const int64_t i1 = std::min(n, i0 + kTile);
       for (int64_t i = i0; i < i1; ++i) {
-        const T* column = src + idx[i];
-        T* row = dst + i * dst_stride;
-        for (int64_t r = r0; r < r1; ++r) row[r] = column[r * src_stride];
+        const T* column = matrix + idx[i];
+        T* row = rows + i * rows_stride;
+        for (int64_t r = r0; r < r1; ++r) row[r] = column[r * matrix_stride];
       }
     }
   }
+}
+
+// Scatter: rows [r_begin, r_end) of the row-major matrix take their elements of the buffer's
+// rows, tile by tile, with the columns in ascending order (buffer row by_column[j] holds column
+// columns[j]) so that each matrix row is written front to back. Reading a tile's source lines
+// waits on memory (one line per buffer row, rows far apart): the next tile's are prefetched.
+template <typename T>
+void scatter_tiles(T* matrix, int64_t matrix_stride, const int64_t* columns,
+                   const int64_t* by_column, int64_t n, const T* rows, int64_t rows_stride,
+                   int64_t r_begin, int64_t r_end) {
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += kTile) {
+    const int64_t r1 = std::min(r_end, r0 + kTile);
+    for (int64_t j0 = 0; j0 < n; j0 += kTile) {
+      const int64_t j1 = std::min(n, j0 + kTile);
+      if (r1 < r_end) {
+        for (int64_t j = j0; j < j1; ++j) {
+          const T* next = rows + by_column[j] * rows_stride + r1;
+          for (int64_t e = 0; e < kTile; e += kLineElements<T>) __builtin_prefetch(next + e);
+        }
+      }
+      for (int64_t r = r0; r < r1; ++r) {
+        T* line = matrix + r * matrix_stride;
+        for (int64_t j = j0; j < j1; ++j) line[columns[j]] = rows[by_column[j] * rows_stride + r];
+      }
+    }
+  }
+}
+
+// Checks the arguments shared by both directions: 0 if valid (nothing to do included).
+int check(int64_t rows, int64_t cols, int64_t matrix_stride, const int64_t* idx, int64_t n,
+          int64_t rows_stride, int elem_size) {
+  if (rows < 0 || cols < 0 || n < 0 || matrix_stride < cols || rows_stride < rows) return 1;
+  if (elem_size != 2 && elem_size != 4) return 1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (idx[i] < 0 || idx[i] >= cols) return 1;
+  }
+  return 0;
+}
+
+// Runs `chunk(begin, end)` over row chunks of the row-major matrix on the calling thread (awake,
+// its caches warm) and the pool's threads, each claiming one chunk at a time, so that a helper
+// slow to wake or to get a core (torch's own threads may still be spinning on it) leaves its
+// share to the others. A chunk owns its matrix rows: a scatter's threads never write one line.
+template <typename Chunk>
+void over_row_chunks(int64_t rows, int64_t chunk_rows, Chunk chunk) {
+  const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
+  auto next = std::make_shared<std::atomic<int64_t>>(0);
+  auto work = [=] {
+    for (int64_t c = (*next)++; c < chunks; c = (*next)++) {
+      chunk(c * chunk_rows, std::min(rows, (c + 1) * chunk_rows));
+    }
+  };
+  const int helpers = static_cast<int>(std::min<int64_t>(usable_cores(), chunks)) - 1;
+  std::shared_ptr<zf::Job> job;
+  if (helpers > 0) {
+    job = std::make_shared<zf::Job>(static_cast<size_t>(helpers), [work](size_t) { work(); });
+    g_helpers.submit(job);
+  }
+  work();
+  if (job) job->wait(-1);
+}
+
+template <typename T>
+void gather(const void* matrix, int64_t rows, int64_t matrix_stride, const int64_t* idx,
+            int64_t n, void* buffer, int64_t rows_stride) {
+  over_row_chunks(rows, kChunkRows, [=](int64_t begin, int64_t end) {
+    gather_tiles(static_cast<const T*>(matrix), matrix_stride, idx, n, static_cast<T*>(buffer),
+                 rows_stride, begin, end);
+  });
+}
+
+template <typename T>
+void scatter(void* matrix, int64_t rows, int64_t matrix_stride, const int64_t* idx, int64_t n,
+             const void* buffer, int64_t rows_stride) {
+  auto by_column = std::make_shared<std::vector<int64_t>>(n);
+  for (int64_t j = 0; j < n; ++j) (*by_column)[j] = j;
+  std::sort(by_column->begin(), by_column->end(),
+            [idx](int64_t a, int64_t b) { return idx[a] < idx[b]; });
+  auto columns = std::make_shared<std::vector<int64_t>>(n);
+  for (int64_t j = 0; j < n; ++j) (*columns)[j] = idx[(*by_column)[j]];
+  over_row_chunks(rows, kChunkRows, [=](int64_t begin, int64_t end) {
+    scatter_tiles(static_cast<T*>(matrix), matrix_stride, columns->data(), by_column->data(), n,
+                  static_cast<const T*>(buffer), rows_stride, begin, end);
+  });
 }
 
 }  // namespace
@@ -59,37 +151,28 @@ void gather_tile_rows(const T* src, int64_t src_stride, const int64_t* idx, int6
 ZF_API int zf_gather_columns(const void* src, int64_t rows, int64_t cols, int64_t src_stride,
                              const int64_t* idx, int64_t n, void* dst, int64_t dst_stride,
                              int elem_size) {
-  if (rows < 0 || cols < 0 || n < 0 || src_stride < cols || dst_stride < rows) return 1;
-  if (elem_size != 2 && elem_size != 4) return 1;
-  for (int64_t i = 0; i < n; ++i) {
-    if (idx[i] < 0 || idx[i] >= cols) return 1;
-  }
+  if (check(rows, cols, src_stride, idx, n, dst_stride, elem_size)) return 1;
   if (rows == 0 || n == 0) return 0;
-  // Chunks of source rows are claimed one at a time by the calling thread (awake, its caches
-  // warm) and by the pool's threads, so a helper that is slow to wake or to get a core (torch's
-  // own threads may still be spinning on it) leaves its share to the others.
-  const int64_t chunks = (rows + kChunkRows - 1) / kChunkRows;
-  auto next = std::make_shared<std::atomic<int64_t>>(0);
-  auto work = [=] {
-    for (int64_t c = (*next)++; c < chunks; c = (*next)++) {
-      const int64_t begin = c * kChunkRows;
-      const int64_t end = std::min(rows, begin + kChunkRows);
-      if (elem_size == 4) {
-        gather_tile_rows(static_cast<const uint32_t*>(src), src_stride, idx, n,
-                         static_cast<uint32_t*>(dst), dst_stride, begin, end);
-      } else {
-        gather_tile_rows(static_cast<const uint16_t*>(src), src_stride, idx, n,
-                         static_cast<uint16_t*>(dst), dst_stride, begin, end);
-      }
-    }
-  };
-  const int helpers = static_cast<int>(std::min<int64_t>(usable_cores(), chunks)) - 1;
-  std::shared_ptr<zf::Job> job;
-  if (helpers > 0) {
-    job = std::make_shared<zf::Job>(static_cast<size_t>(helpers), [work](size_t) { work(); });
-    g_helpers.submit(job);
+  if (elem_size == 4) {
+    gather<uint32_t>(src, rows, src_stride, idx, n, dst, dst_stride);
+  } else {
+    gather<uint16_t>(src, rows, src_stride, idx, n, dst, dst_stride);
   }
-  work();
-  if (job) job->wait(-1);
+  return 0;
+}
+
+// The inverse: dst is the row-major matrix (`rows` rows of `cols` elements, stride dst_stride),
+// src holds n rows of `rows` elements (stride src_stride); column idx[i] of dst becomes row i of
+// src. Indices must be distinct. Returns as zf_gather_columns does.
+ZF_API int zf_scatter_columns(void* dst, int64_t rows, int64_t cols, int64_t dst_stride,
+                              const int64_t* idx, int64_t n, const void* src, int64_t src_stride,
+                              int elem_size) {
+  if (check(rows, cols, dst_stride, idx, n, src_stride, elem_size)) return 1;
+  if (rows == 0 || n == 0) return 0;
+  if (elem_size == 4) {
+    scatter<uint32_t>(dst, rows, dst_stride, idx, n, src, src_stride);
+  } else {
+    scatter<uint16_t>(dst, rows, dst_stride, idx, n, src, src_stride);
+  }
   return 0;
 }

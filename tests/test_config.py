@@ -641,7 +641,7 @@ def test_cpu_adam_threads(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
-# select interval resolution (ZENFLOW.md "Exact semantics")
+# select interval resolution (docs/algorithm.md, "Boundaries and selection")
 
 
 @pytest.mark.parametrize(

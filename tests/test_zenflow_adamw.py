@@ -201,14 +201,26 @@ def test_strided_weight_is_refused():
         ZenFlowAdamW([weight])
 
 
-def test_weights_are_laid_out_column_major_with_values_unchanged():
+@pytest.mark.parametrize("overlap_step", [False, True])
+def test_parameters_keep_pytorchs_layout_through_training(overlap_step):
+    """Contiguous with their natural strides when the optimizer takes them and after every
+    step (selected columns written each step, unselected ones at window boundaries, a
+    reselection between): views and flattening work as on any model."""
     model = build("conv")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    ZenFlowAdamW(model.parameters(), step_backend="eager", **SETTINGS)
+    pointers = {name: p.data_ptr() for name, p in model.named_parameters()}
+    settings = {**SETTINGS, "overlap_step": overlap_step}
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **settings)
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name])
-        if p.dim() >= 2:
-            assert p.reshape(p.shape[0], -1).t().is_contiguous(), name
+    for inputs, targets in batches("conv", 9):
+        opt.zero_grad()
+        loss_of("conv", model, inputs, targets).backward()
+        opt.step()
+        for name, p in model.named_parameters():
+            assert p.is_contiguous() and p.data_ptr() == pointers[name], name
+            assert p.view(-1).numel() == p.numel()
+    assert opt.stats()["reselections"] == 3
 
 
 def test_state_dict_between_backward_and_step_is_refused():

@@ -24,17 +24,6 @@ def column_rows(tensor: torch.Tensor) -> torch.Tensor:
     return as_matrix(tensor).t()
 
 
-def column_major(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of ``tensor`` (same shape and values) whose storage holds one column after
-    another, so that ``column_rows`` of it is contiguous."""
-    rows = as_matrix(tensor).t().contiguous()
-    return rows.t().view(tensor.shape)
-
-
-def is_column_major(tensor: torch.Tensor) -> bool:
-    return column_rows(tensor).is_contiguous()
-
-
 def column_count(shape: torch.Size | tuple[int, ...]) -> int:
     return math.prod(shape[1:])
 

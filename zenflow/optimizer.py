@@ -23,13 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zenflow.columns import (
-    column_count,
-    has_columns,
-    is_column_major,
-    select_top_columns,
-    topk_count,
-)
+from zenflow.columns import column_count, has_columns, select_top_columns, topk_count
 from zenflow.config import resolve_select_interval, zenflow_block
 from zenflow.runtime import auto_interval, cpu_adam
 from zenflow.runtime.comm import CollectiveError, DataParallel
@@ -260,7 +254,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _split(
         p: torch.Tensor, group_index: int, comm: DataParallel, offload: bool, on_device: bool
     ) -> SplitWeight:
-        if not (p.is_contiguous() or is_column_major(p)):
+        if not p.is_contiguous():
             raise ValueError(
                 f"ZenFlowAdamW needs contiguous weights; got one of shape {tuple(p.shape)} "
                 f"with strides {p.stride()}: make it contiguous before creating the optimizer"
@@ -497,7 +491,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             calls.setdefault((v.group_index, v.param.device), ([], []))[1].append(v)
         for (group_index, device), (rows, vecs) in calls.items():
             hyper = self._hyper(group_index)
-            destinations = [w.selected_destination() for w in rows]
             self._device_step(
                 [w.device_master for w in rows] + [v.master for v in vecs],
                 [w.device_exp_avg for w in rows] + [v.exp_avg for v in vecs],
@@ -511,10 +504,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 hyper["beta2"],
                 hyper["eps"],
                 hyper["weight_decay"],
-                destinations + [(v.param.data.view(1, -1), None) for v in vecs],
+                [None] * len(rows) + [v.param.data.view(1, -1) for v in vecs],
             )
-            for w, destination in zip(rows, destinations, strict=True):
-                if destination is None:
+            with torch.profiler.record_function("zenflow::write_selected"):
+                for w in rows:
                     self._counters["h2d_bytes"] += w.write_selected()
 
     @contextlib.contextmanager
@@ -550,8 +543,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     ),
                     "cpu_adam_s",
                 )
-                for w in group_weights:
-                    self._counters["h2d_bytes"] += w.write_unselected()
+                with torch.profiler.record_function("zenflow::write_unselected"):
+                    for w in group_weights:
+                        self._counters["h2d_bytes"] += w.write_unselected()
         self._counters["cpu_updates"] += bool(weights)
 
     def _by_group(self, weights: list[SplitWeight]):
@@ -688,19 +682,20 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if pending.handle is not None:
             self._collect(pending.handle, "cpu_adam_s")
         skipped = {id(w) for w in rewritten}
-        for w, used, block, rounded in zip(
-            pending.weights,
-            pending.accumulators,
-            pending.stage_blocks,
-            pending.rounded,
-            strict=True,
-        ):
-            if used is not w.accumulator:
-                w.spare_accumulator = used
-            if block is not None:
-                w.release_block(block)
-            if id(w) not in skipped:
-                self._counters["h2d_bytes"] += w.write_unselected(rounded)
+        with torch.profiler.record_function("zenflow::write_unselected"):
+            for w, used, block, rounded in zip(
+                pending.weights,
+                pending.accumulators,
+                pending.stage_blocks,
+                pending.rounded,
+                strict=True,
+            ):
+                if used is not w.accumulator:
+                    w.spare_accumulator = used
+                if block is not None:
+                    w.release_block(block)
+                if id(w) not in skipped:
+                    self._counters["h2d_bytes"] += w.write_unselected(rounded)
 
     def _finish_pending(self, rewritten=()) -> None:
         for pending in self._pending:

@@ -25,9 +25,7 @@ import torch
 from zenflow.columns import (
     as_matrix,
     column_importance,
-    column_major,
     has_columns,
-    is_column_major,
     select_top_columns,
     topk_count,
 )
@@ -66,8 +64,6 @@ class ReferenceZenFlowAdamW(torch.optim.Optimizer):
 
     ``selector(param, scores, k)`` may replace the top-k rule (tests inject selections with it).
     ``max_grad_norm`` clips by the global norm of each step's gradients before they are committed.
-    Weights are re-laid out column-major, as ``ZenFlowAdamW`` lays them out, so that a model
-    trained by either computes with identically rounded matmuls.
     """
 
     def __init__(
@@ -90,9 +86,6 @@ class ReferenceZenFlowAdamW(torch.optim.Optimizer):
     ):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
-        for _, p in self._params():
-            if has_columns(p) and not is_column_major(p):
-                p.data = column_major(p.data)
         self.topk_ratio = topk_ratio
         self.update_interval = update_interval
         self.select_interval = resolve_select_interval(

@@ -68,7 +68,7 @@ __all__ = [
 ]
 
 BUILD_HINT = "run `pip install -e .` (or `make install`) in the zenflow checkout to build csrc/"
-_ABI_VERSION = 6
+_ABI_VERSION = 7
 _GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _OUT_DTYPES = {torch.bfloat16: 1, torch.float16: 2}
 _ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512"}
@@ -179,6 +179,8 @@ def _load():
             c_int,
         ]
         lib.zf_gather_columns.restype = c_int
+        lib.zf_scatter_columns.argtypes = lib.zf_gather_columns.argtypes
+        lib.zf_scatter_columns.restype = c_int
         lib.zf_set_num_threads(threads_from_reserved_cores(DEFAULT_PT_RESERVED_CORES_PERC))
         _lib = lib
         return lib

@@ -9,14 +9,64 @@ row's step count, so columns with different histories get their own bias correct
 ``coefficient`` (the clip factor) are 0-d tensors: as Python floats every new learning rate
 from a schedule would specialize the graph and recompile it.
 
-``destinations``: where each updated master goes in the model, in the same pass: ``(rows,
-index)`` writes master row i to ``rows[index[i]]`` (a weight's selected columns, as rows of its
-column-major storage), ``(rows, None)`` copies the master to ``rows``, None writes nothing.
+``destinations``: where each updated master goes in the model, in the same pass: a tensor of
+the master's shape (a 1-D parameter's view) takes a copy, None writes nothing (a weight's
+selected rows are columns of its row-major parameter: ``zenflow.runtime.param_writes`` writes
+them after the step).
 """
 
 import functools
 
 import torch
+
+
+def row_constants(
+    steps: list[torch.Tensor], lr: torch.Tensor, beta1: float, beta2: float
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Advance every row's step count and return, per tensor, each row's step size
+    ``lr / (1 - beta1**step)`` and ``sqrt(1 - beta2**step)``, fp32, as ``[rows, 1]`` columns.
+
+    Formed once per row in fp64 (a row's step count may be large), eagerly: inside a compiled
+    graph Inductor fuses them into the element loop and computes two fp64 powers per element
+    (a 1.9M-element step took 11 ms on the development CPU instead of 2.4 ms)."""
+    torch._foreach_add_(steps, 1)
+    row_counts = [step.numel() for step in steps]
+    step64 = torch.cat(steps).to(torch.float64)
+    step_sizes = (lr / (1 - beta1**step64)).to(torch.float32)[:, None].split(row_counts)
+    bias_corrections2_sqrt = (1 - beta2**step64).sqrt().to(torch.float32)[:, None]
+    return list(step_sizes), list(bias_corrections2_sqrt.split(row_counts))
+
+
+def adamw_elements_(
+    masters: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    step_sizes: list[torch.Tensor],
+    bias_corrections2_sqrt: list[torch.Tensor],
+    decay: torch.Tensor,
+    coefficient: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    destinations: list[torch.Tensor | None],
+) -> None:
+    """The element loop of AdamW, given each row's constants (``row_constants``) and the 0-d
+    fp32 ``decay`` (``1 - lr * weight_decay``) and clip ``coefficient``."""
+    grads = torch._foreach_mul(grads, coefficient)
+    torch._foreach_mul_(masters, decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denoms, bias_corrections2_sqrt)
+    torch._foreach_add_(denoms, eps)
+    updates = torch._foreach_mul(exp_avgs, step_sizes)
+    torch._foreach_div_(updates, denoms)
+    torch._foreach_sub_(masters, updates)
+    for master, destination in zip(masters, destinations, strict=True):
+        if destination is not None:
+            destination.copy_(master)
 
 
 def selective_adamw_(
@@ -31,32 +81,26 @@ def selective_adamw_(
     beta2: float,
     eps: float,
     weight_decay: float,
-    destinations: list[tuple[torch.Tensor, torch.Tensor | None] | None],
+    destinations: list[torch.Tensor | None],
+    *,
+    elements=adamw_elements_,
 ) -> None:
-    torch._foreach_add_(steps, 1)
-    grads = torch._foreach_mul(grads, coefficient.to(torch.float32))
-    torch._foreach_mul_(masters, (1 - lr * weight_decay).to(torch.float32))
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-    # Bias corrections per row, for all rows at once, in fp64 as a row's step count may be large.
-    row_counts = [step.numel() for step in steps]
-    step64 = torch.cat(steps).to(torch.float64)
-    step_sizes = (lr / (1 - beta1**step64)).to(torch.float32).split(row_counts)
-    bias_corrections2_sqrt = (1 - beta2**step64).sqrt().to(torch.float32).split(row_counts)
-    denoms = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denoms, [b[:, None] for b in bias_corrections2_sqrt])
-    torch._foreach_add_(denoms, eps)
-    updates = torch._foreach_mul(exp_avgs, [s[:, None] for s in step_sizes])
-    torch._foreach_div_(updates, denoms)
-    torch._foreach_sub_(masters, updates)
-    for master, destination in zip(masters, destinations, strict=True):
-        if destination is not None:
-            rows, index = destination
-            if index is None:
-                rows.copy_(master)
-            else:
-                rows.index_copy_(0, index, master.to(rows.dtype))
+    """One AdamW step of every row; ``elements`` runs the element loop (compiled or not)."""
+    step_sizes, bias_corrections2_sqrt = row_constants(steps, lr, beta1, beta2)
+    elements(
+        masters,
+        exp_avgs,
+        exp_avg_sqs,
+        grads,
+        step_sizes,
+        bias_corrections2_sqrt,
+        (1 - lr * weight_decay).to(torch.float32),
+        coefficient.to(torch.float32),
+        beta1,
+        beta2,
+        eps,
+        destinations,
+    )
 
 
 STEP_BACKENDS = ("auto", "inductor", "eager")
@@ -78,7 +122,9 @@ def step_backend_for(requested: str, device: torch.device) -> str:
 
 @functools.cache
 def compiled_selective_adamw(backend: str):
-    """``selective_adamw_`` compiled with ``backend`` ("inductor"), or as is for "eager"."""
+    """``selective_adamw_`` with its element loop compiled by ``backend`` ("inductor"), or as
+    is for "eager"."""
     if backend == "eager":
         return selective_adamw_
-    return torch.compile(selective_adamw_, backend=backend, fullgraph=True, dynamic=False)
+    elements = torch.compile(adamw_elements_, backend=backend, fullgraph=True, dynamic=False)
+    return functools.partial(selective_adamw_, elements=elements)

@@ -13,9 +13,8 @@ block's local order (they change identically everywhere), since ``order`` is bui
 Because blocks are fixed, reselection moves state between device and host, never between
 ranks, and never resets it.
 
-The parameter itself is re-laid out column-major when the optimizer takes it (same shape and
-values, ``param.data`` replaced, as DeepSpeed replaces it with views of flat buffers): writing
-updated columns back is then a copy of contiguous rows rather than a strided scatter.
+The parameter itself keeps PyTorch's layout (row-major, contiguous); updated rows are written
+into its columns by ``zenflow.runtime.param_writes``.
 
 A step's gradient arrives from a compiled graph as a matmul's two factors (``stage_matmul``) or
 as ``G.T`` (``stage_columns``; the eager path hands ``.grad`` over the same way). Its rows are
@@ -34,7 +33,7 @@ import functools
 
 import torch
 
-from zenflow.columns import column_count, column_major, column_rows, is_column_major
+from zenflow.columns import column_count, column_rows
 from zenflow.runtime import cpu_adam, registry
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.gradient_rows import (
@@ -44,6 +43,7 @@ from zenflow.runtime.gradient_rows import (
     matmul_rows,
     with_lookup_added,
 )
+from zenflow.runtime.param_writes import write_columns
 from zenflow.runtime.streams import PendingCopy, copy_stream
 
 # A cached value not computed yet, where None is a value.
@@ -65,8 +65,6 @@ class SplitWeight:
                 "accumulate_on_device needs a single process: with several ranks the window's "
                 "sum would need its own reduction; turn it off or run on one rank"
             )
-        if not is_column_major(param):
-            param.data = column_major(param.data)
         self.param = param
         self.offload = offload
         self.state_device = torch.device("cpu") if offload else param.device
@@ -744,25 +742,17 @@ class SplitWeight:
 
     # Writing updated values into the parameter the model computes with.
 
-    def _param_rows(self) -> torch.Tensor:
-        """The parameter's ``[columns, out]`` rows, a view of its (column-major) storage."""
-        return self.param.data.view(self.out, self.columns).t()
-
-    def selected_destination(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where the device update writes the selected rows' new values itself: the parameter's
-        rows at the selected columns. None with ``offload``: the state lives on the host and
-        ``write_selected`` sends the values over (counted as traffic even where the device is
-        the CPU, like every count)."""
-        if self.offload:
-            return None
-        return self._param_rows(), self.selected_columns
-
     def write_selected(self) -> int:
-        """``offload``: copy the selected rows' new values from the host into the parameter;
-        returns the bytes that crossed to the device. (Otherwise the device update writes them
-        itself: ``selected_destination``.)"""
+        """Write the selected rows' new values into the parameter; returns the bytes that
+        crossed to the device: with ``offload`` the state lives on the host and the values are
+        sent over (counted even where the device is the CPU, like every count), else none."""
+        if not self.offload:
+            write_columns(
+                self.param, self.selected_columns, self.device_master.to(self.param.dtype)
+            )
+            return 0
         values = self._to_device(self.device_master, "selected")
-        self._param_rows().index_copy_(0, self.selected_columns, values)
+        write_columns(self.param, self.selected_columns, values)
         return values.numel() * values.element_size()
 
     def new_rounded_rows(self) -> torch.Tensor | None:
@@ -786,7 +776,7 @@ class SplitWeight:
         else:
             mine, _ = copy_stream(self.param.device).copy_to_device(rounded)
         rows = self.comm.all_gather_rows(mine, self.unselected_counts)
-        self._param_rows().index_copy_(0, self.order[self.k :], rows)
+        write_columns(self.param, self.order[self.k :], rows)
         return mine.numel() * mine.element_size()
 
     def _to_device(self, rows: torch.Tensor, purpose: str) -> torch.Tensor:

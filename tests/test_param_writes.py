@@ -1,0 +1,55 @@
+"""Updated rows written into the columns of a row-major weight equal indexed assignment."""
+
+import pytest
+import torch
+
+from tests.forked import result_in_forked_child
+from zenflow.runtime.param_writes import TILED_SCATTER_MIN_ELEMENTS, write_columns
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("picked", ["permutation", "subset", "few"])
+@pytest.mark.parametrize("shape", [(700, 97), (3, 5, 4, 2)])  # tiled (odd sizes), and torch's
+def test_rows_land_in_their_columns_and_nothing_else_changes(dtype, picked, shape):
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(shape, generator=g).to(dtype)
+    columns = weight[0].numel()
+    index = torch.randperm(columns, generator=g)
+    if picked == "subset":
+        index = index[: columns // 2]
+    elif picked == "few":
+        index = index[:2]
+    rows = torch.randn(index.numel(), shape[0], generator=g).to(dtype)
+    expected = weight.clone().reshape(shape[0], -1)
+    expected[:, index] = rows.t()
+    storage = weight.data_ptr()
+    write_columns(weight, index, rows)
+    assert torch.equal(weight.reshape(shape[0], -1), expected)
+    assert weight.is_contiguous() and weight.data_ptr() == storage
+    if shape == (700, 97) and picked == "permutation":
+        assert rows.numel() >= TILED_SCATTER_MIN_ELEMENTS
+
+
+def test_an_index_out_of_range_is_refused_and_writes_nothing():
+    weight = torch.zeros(1000, 100)
+    with pytest.raises(IndexError, match="out of range for 100 columns"):
+        write_columns(weight, torch.tensor([3, 100] * 40), torch.ones(80, 1000))
+    assert not weight.any()
+
+
+def test_rows_of_the_wrong_shape_are_refused():
+    with pytest.raises(ValueError, match=r"take rows of shape \[2, 8\], got \[2, 7\]"):
+        write_columns(torch.zeros(8, 5), torch.tensor([0, 1]), torch.zeros(2, 7))
+
+
+def _scatter_in_child(queue):
+    torch.set_num_threads(1)  # libgomp, which torch's own ops use, is not fork-safe
+    weight = torch.zeros(600, 200)
+    rows = torch.arange(3 * 600.0).reshape(3, 600)
+    write_columns(weight, torch.tensor([5, 3, 199]), rows)
+    queue.put(torch.equal(weight[:, [5, 3, 199]], rows.t()))
+
+
+def test_a_forked_child_scatters_with_its_own_helper_threads():
+    write_columns(torch.zeros(600, 200), torch.arange(200), torch.ones(200, 600))
+    assert result_in_forked_child(_scatter_in_child, "the column scatter")
