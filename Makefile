@@ -20,7 +20,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,demo]"
+	$(PY) -m pip install -q -e ".[test,demo,hf]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -45,8 +45,7 @@ def main() -> None:
         "hits": aot["autograd_cache_hit"],
         "misses": aot["autograd_cache_miss"],
         "weights": digest.hexdigest(),
-        "bystander_untouched": bystander_opt is None
-        or not any(w.has_staged for w in bystander_opt.weights),
+        "bystander_untouched": bystander_opt is None or not any(bystander_opt.staged_host_rows()),
     }
     print(json.dumps(result))
 

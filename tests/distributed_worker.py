@@ -9,13 +9,14 @@ import os
 import torch
 import torch.distributed as dist
 
-# Before the process group exists, as zenflow.initialize does it (see zenflow/runtime/engine.py):
+# Before the process group exists, as zenflow.initialize does it (see zenflow/engine.py):
 # imported later, it would keep the group, and gloo's threads, alive past destroy_process_group.
 import torch.distributed.nn.functional  # noqa: F401
 
 from tests.gloo_threads import gloo_threads
 from tests.models import batches, build, loss_of
 from zenflow.optimizer import ZenFlowAdamW
+from zenflow.runtime import comm
 
 
 def train(world_size: int, rank: int, settings: dict) -> tuple[torch.nn.Module, ZenFlowAdamW]:
@@ -23,11 +24,10 @@ def train(world_size: int, rank: int, settings: dict) -> tuple[torch.nn.Module, 
     compiled = settings.pop("compiled", False)
     as_over_nccl = settings.pop("as_over_nccl", False)
     model = build("mlp")
+    # NCCL's path for host tensors (a copy on the collective's device, results copied back),
+    # with the CPU standing in for the GPU.
+    comm._route_host_tensors_for_tests(torch.device("cpu") if as_over_nccl else None)
     opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **settings)
-    if as_over_nccl:
-        # NCCL's path for host tensors (a copy on the collective's device, results copied back),
-        # with the CPU standing in for the GPU.
-        opt.comm._host_tensors_via = torch.device("cpu")
     forward = (
         torch.compile(model, backend="zenflow", options={"inner": "eager"}) if compiled else model
     )
@@ -36,8 +36,10 @@ def train(world_size: int, rank: int, settings: dict) -> tuple[torch.nn.Module, 
         shard = slice(rank * len(inputs) // world_size, (rank + 1) * len(inputs) // world_size)
         opt.zero_grad()
         loss_of("mlp", forward, inputs[shard], targets[shard]).backward()
-        staged = [w.host_stage.shape[0] for w in opt.weights if w.host_stage is not None]
-        opt.staged_rows_after_backward.append((staged, [w.columns - w.k for w in opt.weights]))
+        unselected = [
+            p.shape[1] - opt.selected_columns(p).numel() for p in model.parameters() if p.dim() >= 2
+        ]
+        opt.staged_rows_after_backward.append((opt.staged_host_rows(), unselected))
         opt.step()
     opt.flush()
     return model, opt
@@ -50,7 +52,7 @@ def run(rank: int, world_size: int, port: int, out_dir: str, settings: dict) -> 
         model, opt = train(world_size, rank, settings)
         result = {
             "params": [p.detach() for p in model.parameters()],
-            "host": sum(w.host_master.numel() for w in opt.weights),
+            "host_columns": opt.stats()["host_columns"],
             "staged_rows_after_backward": opt.staged_rows_after_backward,
         }
     finally:

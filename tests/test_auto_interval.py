@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from zenflow.runtime.auto_interval import AutoUpdateInterval, lr_scale
+from zenflow.runtime.auto_interval import AutoUpdateInterval
+from zenflow.runtime.schedule import Schedule, lr_scale
 
 K, COLUMNS = 10, 100
 
@@ -88,5 +89,8 @@ def test_bounds_out_of_order_are_refused(floor, ceiling, message):
 
 
 def test_a_window_steps_with_the_square_root_of_its_length():
-    assert [lr_scale(n) for n in (1, 4, 9)] == [1.0, 2.0, 3.0]
-    assert lr_scale(2) == math.sqrt(2)
+    auto = Schedule(warm_up_rounds=0, select_interval=8, update_interval=None, selects=True)
+    assert [lr_scale(auto, n) for n in (1, 4, 9)] == [1.0, 2.0, 3.0]
+    assert lr_scale(auto, 2) == math.sqrt(2)
+    fixed = auto._replace(update_interval=4)
+    assert [lr_scale(fixed, n) for n in (1, 4, 9)] == [1.0, 1.0, 1.0]

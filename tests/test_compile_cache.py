@@ -7,7 +7,7 @@ from pathlib import Path
 
 import zenflow
 from tests.python_process import stdout_of
-from zenflow.backend import rewrite_digest
+from zenflow.compile.backend import rewrite_digest
 
 
 def train_in_a_fresh_process(cache_dir: Path, *args: str) -> dict:
@@ -35,8 +35,9 @@ def test_the_cache_key_changes_with_the_rewriting_code_only(tmp_path):
     package = Path(zenflow.__file__).resolve().parent
     copy = tmp_path / "zenflow"
     shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    before = rewrite_digest(copy)
-    (copy / "runtime" / "split_weight.py").write_text("# runs the ops; rewrites nothing\n")
-    assert rewrite_digest.__wrapped__(copy) == before
-    (copy / "passes" / "column_split.py").write_text("# another rewrite\n")
-    assert rewrite_digest.__wrapped__(copy) != before
+    compiler = copy / "compile"
+    before = rewrite_digest(compiler)
+    (copy / "runtime" / "conductor.py").write_text("# runs the ops; rewrites nothing\n")
+    assert rewrite_digest.__wrapped__(compiler) == before
+    (compiler / "passes" / "column_split.py").write_text("# another rewrite\n")
+    assert rewrite_digest.__wrapped__(compiler) != before

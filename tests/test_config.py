@@ -11,14 +11,13 @@ import torch
 
 from zenflow.config import (
     ConfigError,
-    ZenFlowBlock,
     ZenFlowConfig,
     ZeroConfig,
     build_lr_scheduler,
     load_config,
-    resolve_select_interval,
 )
 from zenflow.notices import reset_notices
+from zenflow.settings import ZenFlowSettings, resolve_select_interval
 
 # Shaped like DeepSpeed's ZenFlow example (docs/_tutorials/zenflow.md).
 DEEPSPEED_ZENFLOW_EXAMPLE = {
@@ -633,13 +632,6 @@ def test_topk_ratio_extension_beyond_deepspeed(ratio):
         DeepSpeedZenFlowConfig(topk_ratio=ratio)
 
 
-def test_cpu_adam_threads(monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 16)
-    assert ZenFlowBlock().cpu_adam_threads() == 8
-    assert ZenFlowBlock(pt_reserved_cores_perc=0.25).cpu_adam_threads() == 12
-    assert ZenFlowBlock(pt_reserved_cores_perc=1.0).cpu_adam_threads() == 1
-
-
 # --------------------------------------------------------------------------------------------
 # select interval resolution (docs/algorithm.md, "Boundaries and selection")
 
@@ -763,11 +755,11 @@ def test_with_steps_per_epoch_rejects_bad_values():
 def test_zenflow_block_has_every_deepspeed_field_with_the_same_default():
     from deepspeed.runtime.zenflow.zenflow_config import ZenFlowConfig as DeepSpeedZenFlowConfig
 
-    ours = ZenFlowBlock.model_fields
+    ours = ZenFlowSettings.model_fields
     for name, field in DeepSpeedZenFlowConfig.model_fields.items():
         assert name in ours, name
         assert ours[name].get_default() == field.get_default(), name
-    assert set(ours) - ZenFlowBlock.extensions == set(DeepSpeedZenFlowConfig.model_fields)
+    assert set(ours) - ZenFlowSettings.extensions == set(DeepSpeedZenFlowConfig.model_fields)
 
 
 def test_every_deepspeed_zero_key_is_known():

@@ -26,8 +26,7 @@ from tests.zero_configs import overlapped_zenflow_zero
 from zenflow.optimizer import ZenFlowAdamW
 from zenflow.reference import ReferenceZenFlowAdamW
 from zenflow.runtime.comm import DataParallel
-from zenflow.runtime.selective_step import compiled_selective_adamw
-from zenflow.runtime.split_weight import SplitWeight
+from zenflow.runtime.owned_weight import OwnedWeight
 from zenflow.runtime.streams import CopyStream, copy_stream
 
 pytestmark = pytest.mark.cuda
@@ -91,15 +90,16 @@ def reference_run(device, steps=12, flush=False, **settings):
 
 def assert_placement(opt: ZenFlowAdamW, device: torch.device, offload: bool = False) -> None:
     state_device = "cpu" if offload else device.type
-    for w in opt.weights:
-        for host in (w.host_master, w.host_exp_avg, w.host_exp_avg_sq):
+    saved = opt.state_dict()
+    for weight in saved["weights"]:
+        *fp32, steps = weight["host"]
+        for host in fp32:
             assert host.device.type == "cpu" and host.is_pinned()
-        assert w.host_steps.device.type == "cpu"
-        for state in (w.device_master, w.device_exp_avg, w.device_exp_avg_sq, w.device_steps):
+        assert steps.device.type == "cpu"
+        for state in weight["device"]:
             assert state.device.type == state_device
-        assert w.order.device.type == device.type
-    for v in opt.vectors:
-        assert v.master.device.type == device.type and v.steps.device.type == device.type
+    for vector in saved["vectors"]:
+        assert all(t.device.type == device.type for t in vector)
 
 
 # Copy streams.
@@ -167,19 +167,20 @@ def test_written_columns_leave_from_a_pinned_buffer_not_the_host_master(cuda_fp3
     """The next overlapped CPU update rewrites the host master as soon as the write returns:
     what reaches the bf16 parameter is the master as it was at the call."""
     param = torch.nn.Parameter(torch.randn(8, 16, device=cuda_fp32).to(torch.bfloat16))
-    w = SplitWeight(param, 0, DataParallel(), pin=True)
+    w = OwnedWeight(param, 0, DataParallel(), offload=False, device_sums=False)
     w.reselect(torch.tensor([1, 5, 9]))
+    layout = w.layout
+    columns = layout.on(cuda_fp32, "unselected")
     for round_value in (3.0, -2.0):
-        w.host_master.fill_(round_value)
-        w.write_unselected()
-        w.host_master.fill_(99.0)  # the next CPU update, before the transfer is done
+        master = w.state.host_master[layout.k_local :]
+        master.fill_(round_value)
+        w.write_rows(master, False, columns, layout.unselected_counts)
+        master.fill_(99.0)  # the next CPU update, before the transfer is done
         torch.cuda.synchronize()
-        unselected = param.detach().t()[w.order[w.k :]]
+        unselected = param.detach().t()[layout.host_columns]
         assert torch.equal(
             unselected.float().cpu(), torch.full_like(unselected.float().cpu(), round_value)
         )
-    buffer, _ = w._to_device_buffers["unselected"]
-    assert buffer.is_pinned() and buffer.dtype == torch.bfloat16
 
 
 def test_one_copy_stream_per_cuda_device(cuda_fp32):
@@ -191,28 +192,27 @@ def test_one_copy_stream_per_cuda_device(cuda_fp32):
 # Pinned host state.
 
 
-def test_split_weight_pins_host_state_of_a_cuda_parameter(cuda_fp32):
+def test_a_cuda_weights_host_state_is_pinned(cuda_fp32):
     param = torch.nn.Parameter(torch.randn(8, 16, device=cuda_fp32))
-    w = SplitWeight(param, 0, DataParallel(), pin=True)
-    for host in (w.host_master, w.host_exp_avg, w.host_exp_avg_sq):
+    w = OwnedWeight(param, 0, DataParallel(), offload=False, device_sums=False)
+    state = w.state
+    for host in (state.host_master, state.host_exp_avg, state.host_exp_avg_sq):
         assert host.device.type == "cpu" and host.is_pinned()
-    assert torch.equal(w.host_master, param.detach().t().cpu())
-    assert w.device_master.device == param.device and w.device_master.shape == (0, 8)
+    assert torch.equal(state.host_master, param.detach().t().cpu())
+    assert state.device_master.device == param.device and state.device_master.shape == (0, 8)
 
-    # Reselection rebuilds the host tensors: still pinned; the selected rows go to the device.
+    # The selected rows go to the device; the host rows stay pinned.
     w.reselect(torch.tensor([1, 5, 9]))
-    for host in (w.host_master, w.host_exp_avg, w.host_exp_avg_sq):
+    for host in (state.host_master, state.host_exp_avg, state.host_exp_avg_sq):
         assert host.is_pinned()
-    assert w.device_master.device == param.device and w.device_master.shape == (3, 8)
-    assert torch.equal(w.device_master.cpu(), param.detach().t()[[1, 5, 9]].cpu())
-
-    other = torch.nn.Parameter(torch.randn(4, 4, device=cuda_fp32))
-    assert not SplitWeight(other, 0, DataParallel(), pin=False).host_master.is_pinned()
+    assert state.device_master.device == param.device and state.device_master.shape == (3, 8)
+    assert torch.equal(state.device_master.cpu(), param.detach().t()[[1, 5, 9]].cpu())
 
 
-def test_split_weight_of_a_cpu_parameter_is_never_pinned(cuda_fp32):
-    w = SplitWeight(torch.nn.Parameter(torch.randn(4, 6)), 0, DataParallel(), pin=True)
-    assert not w.host_master.is_pinned()
+def test_a_cpu_weights_host_state_is_never_pinned(cuda_fp32):
+    param = torch.nn.Parameter(torch.randn(4, 6))
+    w = OwnedWeight(param, 0, DataParallel(), offload=False, device_sums=False)
+    assert not w.state.host_master.is_pinned()
 
 
 # Compiled training against the oracle.
@@ -253,9 +253,8 @@ def test_runtime_options_on_cuda_equal_reference(cuda_fp32, settings):
     assert_close(list(model.parameters()), list(oracle_model.parameters()), **GPU_TOL)
     assert_placement(opt, cuda_fp32, offload=settings.get("offload", False))
     if settings.get("accumulate_on_device"):
-        assert all(
-            w.accumulator.device.type == "cuda" for w in opt.weights if w.accumulator is not None
-        )
+        sums = [weight["accumulator"] for weight in opt.state_dict()["weights"]]
+        assert all(s.device.type == "cuda" for s in sums if s is not None)
 
 
 def test_gradient_accumulation_on_cuda_equals_reference(cuda_fp32):
@@ -293,15 +292,17 @@ def test_overlapped_result_is_not_overwritten_while_its_copy_is_in_flight(cuda_f
     hyper = {**SCHEDULE, **settings}
     model = build("mlp").to(cuda_fp32)
     opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **hyper)
-    device_step = opt._device_step
+    write_selected = OwnedWeight.write_selected
 
-    def slow_device_step(*args, **kwargs):
-        device_step(*args, **kwargs)
+    def slow_write_selected(self):
+        written = write_selected(self)
         torch.cuda._sleep(20_000_000)  # ~10 ms or more of device time after the update
+        return written
 
-    opt._device_step = slow_device_step
     compiled = torch.compile(model, backend="zenflow", options={"inner": "eager"})
-    train(compiled, opt, on(cuda_fp32, batches("mlp", 16)))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(OwnedWeight, "write_selected", slow_write_selected)
+        train(compiled, opt, on(cuda_fp32, batches("mlp", 16)))
     opt.flush()
     oracle_model, _ = reference_run(cuda_fp32, steps=16, flush=True, **settings)
     assert_close(list(model.parameters()), list(oracle_model.parameters()), **GPU_TOL)
@@ -311,9 +312,7 @@ def test_the_device_update_on_cuda_runs_torchs_multi_tensor_kernels_by_default(c
     """step_backend "auto": no Inductor compile of the device update on a GPU, also after
     engine.compile() (which compiles the model with Inductor)."""
     model = build("mlp").to(cuda_fp32)
-    assert ZenFlowAdamW(model.parameters(), **SCHEDULE)._device_step is compiled_selective_adamw(
-        "eager"
-    )
+    assert ZenFlowAdamW(model.parameters(), **SCHEDULE).step_backend == "eager"
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
@@ -321,7 +320,7 @@ def test_the_device_update_on_cuda_runs_torchs_multi_tensor_kernels_by_default(c
     }
     engine, *_ = zenflow.initialize(model=build("mlp").to(cuda_fp32), config=config)
     engine.compile()
-    assert engine.optimizer._device_step is compiled_selective_adamw("eager")
+    assert engine.optimizer.step_backend == "eager"
 
 
 def test_bf16_model_trains_on_cuda(cuda_fp32):
@@ -338,7 +337,7 @@ def test_bf16_model_trains_on_cuda(cuda_fp32):
         opt.step()
         losses.append(loss.item())
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    assert all(w.host_master.dtype == torch.float32 for w in opt.weights)
+    assert all(weight["host"][0].dtype == torch.float32 for weight in opt.state_dict()["weights"])
     assert losses[-1] < 0.8 * losses[0], losses
 
 
@@ -386,7 +385,8 @@ def test_nccl_with_one_rank_equals_the_single_process_run(cuda_fp32, zero_stage)
         dist.all_reduce(probe)  # NCCL itself works (the runtime skips collectives at size 1)
         assert torch.equal(probe.cpu(), torch.full((4,), 3.0))
         model, opt = zenflow_run(cuda_fp32, "eager", flush=True, zero_stage=zero_stage)
-        assert (opt.comm.world_size, opt.comm.rank) == (1, 0)
+        columns = sum(p.shape[1] for p in model.parameters() if p.dim() >= 2)
+        assert opt.stats()["host_columns"] == columns  # one rank holds every column
         assert_placement(opt, cuda_fp32)
     finally:
         dist.destroy_process_group()

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from tests.models import batches, build, loss_of
+from zenflow.columns import column_count
 from zenflow.optimizer import ZenFlowAdamW
+from zenflow.runtime import registry
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = ["mlp", "mlp_nobias", "wide", "gpt", "frozen", "conv"]
@@ -74,7 +76,9 @@ def test_every_owned_weight_is_handed_over_once_and_its_gradient_dropped(name):
     ]
     transposed = [n for n in nodes if n.target is ops.stage_columns.default]
     lookups = [n for n in nodes if n.target is ops.stage_lookup.default]
-    weights = {w.slot: w for w in opt.weights}
+    weights = {
+        registry.slot_of(p): p for p in model.parameters() if p.requires_grad and p.dim() >= 2
+    }
     assert sorted(n.args[-1] for n in matmuls + transposed + lookups) == sorted(weights)
     # Only a gradient that is neither a matmul nor a lookup nor both (a conv's) reaches the
     # runtime whole; the GPT's position embedding goes as its lookup, the tied token embedding
@@ -87,18 +91,22 @@ def test_every_owned_weight_is_handed_over_once_and_its_gradient_dropped(name):
         columns_by_batch, out_grad, *lookup, slot = stage.args
         columns, batch = columns_by_batch.meta["val"].shape
         assert (columns, out_grad.meta["val"].shape) == (
-            weights[slot].columns,
-            (batch, weights[slot].out),
+            column_count(weights[slot].shape),
+            (batch, weights[slot].shape[0]),
         )
         if lookup:
             rows, ids = (node.meta["val"] for node in lookup)
             assert rows.shape[1] == columns and ids.shape == (rows.shape[0],)
     for stage in transposed:
         columns_by_out, slot = stage.args
-        assert tuple(columns_by_out.meta["val"].shape) == (weights[slot].columns, weights[slot].out)
+        weight = weights[slot]
+        assert tuple(columns_by_out.meta["val"].shape) == (
+            column_count(weight.shape),
+            weight.shape[0],
+        )
     # The weight gradients that are a matmul are never formed in the graph.
     # (Not checked for the tied weight: in this tiny GPT its input-gradient matmul has its size.)
-    matmul_sizes = {weights[n.args[-1]].param.numel() for n in matmuls if n not in tied}
+    matmul_sizes = {weights[n.args[-1]].numel() for n in matmuls if n not in tied}
     products = [n.meta["val"].numel() for n in nodes if n.target is torch.ops.aten.mm.default]
     assert not matmul_sizes & set(products)
     returned = gm.graph.output_node().args[0]

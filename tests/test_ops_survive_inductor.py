@@ -5,7 +5,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing import assert_close
 
-import zenflow.ops  # noqa: F401
+import zenflow.compile.ops  # noqa: F401
 from zenflow.runtime import registry
 
 

@@ -10,7 +10,8 @@ import torch
 
 from zenflow.optimizer import ZenFlowAdamW
 from zenflow.runtime.comm import DataParallel
-from zenflow.runtime.split_weight import SplitWeight
+from zenflow.runtime.layout import ColumnLayout
+from zenflow.runtime.staging import staging_for
 
 
 def bytes_per_step_over_model(steps=64, **settings) -> float:
@@ -53,7 +54,8 @@ def test_device_side_sums_move_at_most_half_the_bf16_model_per_step():
 def test_device_side_sums_need_a_single_process():
     comm = DataParallel()
     comm.world_size = 2
+    layout = ColumnLayout.natural(2, 0, [(0, 1), (1, 2)])
     with pytest.raises(ValueError, match="single process"):
-        SplitWeight(
-            torch.nn.Parameter(torch.zeros(2, 2)), 0, comm, pin=False, accumulate_on_device=True
+        staging_for(
+            torch.zeros(2, 2), layout, comm, pin=False, offload=False, accumulate_on_device=True
         )

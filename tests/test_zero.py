@@ -66,9 +66,9 @@ def test_two_ranks_equal_one_rank_and_the_reference(tmp_path, settings):
     assert_close(ranks[0]["params"], list(oracle_model.parameters()), rtol=1e-5, atol=1e-6)
 
     # Each rank holds the host state of half the columns.
-    single_host = sum(w.host_master.numel() for w in single_opt.weights)
-    assert ranks[0]["host"] + ranks[1]["host"] == single_host
-    assert all(abs(r["host"] - single_host / 2) <= single_host * 0.1 for r in ranks)
+    single_host = single_opt.stats()["host_columns"]
+    assert ranks[0]["host_columns"] + ranks[1]["host_columns"] == single_host
+    assert all(abs(r["host_columns"] - single_host / 2) <= single_host * 0.1 for r in ranks)
     # Nothing kept the process group alive once destroyed: its threads would run on into
     # interpreter teardown, which they can abort after a rank succeeded.
     assert [r["gloo_threads_after_destroy"] for r in ranks] == [[], []]

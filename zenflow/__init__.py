@@ -10,16 +10,17 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "ZenFlowConfig": "zenflow.config",
     "load_config": "zenflow.config",
-    "ConfigError": "zenflow.config",
+    "ConfigError": "zenflow.validation",
     "build_lr_scheduler": "zenflow.config",
+    "ZenFlowSettings": "zenflow.settings",
     "ReferenceZenFlowAdamW": "zenflow.reference",
     "CPUAdamW": "zenflow.cpu_adamw",
     "ZenFlowAdamW": "zenflow.optimizer",
     # Failures a long run may want to catch (see README's reliability section).
-    "NonFiniteGradientError": "zenflow.optimizer",
+    "NonFiniteGradientError": "zenflow.runtime.nonfinite",
     "CPUAdamError": "zenflow.runtime.cpu_adam",
     "CollectiveError": "zenflow.runtime.comm",
-    "initialize": "zenflow.runtime.engine",
+    "initialize": "zenflow.engine",
 }
 
 __all__ = sorted(_PUBLIC)

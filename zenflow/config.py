@@ -20,26 +20,32 @@ problem, saying what is allowed.
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import os
 import typing
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
-    BeforeValidator,
-    ConfigDict,
     Field,
     PrivateAttr,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from zenflow.notices import notice
+from zenflow.settings import ZenFlowSettings
+from zenflow.validation import (
+    ConfigError,
+    Int,
+    Problem,
+    Section,
+    describe,
+    did_you_mean,
+    validate,
+)
 
 __all__ = [
     "AdamParams",
@@ -49,298 +55,17 @@ __all__ = [
     "OffloadOptimizerConfig",
     "OptimizerConfig",
     "SchedulerConfig",
-    "ZenFlowBlock",
     "ZenFlowConfig",
     "ZeroConfig",
     "build_lr_scheduler",
     "load_config",
-    "resolve_select_interval",
 ]
-
-_ZENFLOW_PATH = "zero_optimization.zenflow"
-
-
-class ConfigError(ValueError):
-    """A bad zenflow/DeepSpeed config. The message has one ``dotted.key: problem`` line per problem."""
-
-
-class _Problem(ConfigError):
-    """A problem found inside a model validator, where pydantic knows the section but not the key.
-
-    Carries the key relative to that section so that the final message can name the full path.
-    """
-
-    def __init__(self, key: str, message: str):
-        super().__init__(f"{key}: {message}")
-        self.key = key
-        self.message = message
-
-
-def _integral(value: Any) -> Any:
-    # JSON configs commonly write sizes as 5e8, which json reads as a float.
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-Int = Annotated[int, BeforeValidator(_integral)]
-
-
-class _Section(BaseModel):
-    """One JSON object of the config.
-
-    Strict types: JSON ``true`` is not the number 1 and ``"2"`` is not the number 2; NaN and
-    Infinity are not numbers. Integers written as floats (``5e8``) are accepted where an int is
-    expected.
-    ``ignored_keys`` are DeepSpeed keys accepted with a notice; ``key_hints`` are DeepSpeed keys we
-    reject with a specific fix.
-    """
-
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-
-    ignored_keys: ClassVar[frozenset[str]] = frozenset()
-    key_hints: ClassVar[dict[str, str]] = {}
-
-
-# --------------------------------------------------------------------------------------------
-# zero_optimization.zenflow
-
-
-def _check_interval(key: str, value: Any) -> None:
-    if value == "auto":
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _Problem(key, f'must be a positive integer or "auto", got {value!r}')
-
-
-def _effective_strategy(select_strategy: Any, select_interval: Any, update_interval: Any) -> str:
-    """Check the static (epoch-length independent) selection settings; return the strategy in use.
-
-    An integer select_interval with strategy "auto" means "every that many steps" (DeepSpeed
-    rejects this combination; the Python API relies on it).
-    """
-    if select_strategy not in ("auto", "step", "epoch"):
-        raise _Problem(
-            "select_strategy", f'must be "auto", "step" or "epoch", got {select_strategy!r}'
-        )
-    _check_interval("select_interval", select_interval)
-    _check_interval("update_interval", update_interval)
-    if select_strategy == "auto" and select_interval != "auto":
-        select_strategy = "step"
-    if select_strategy != "auto" and select_interval == "auto":
-        unit = "steps" if select_strategy == "step" else "epochs"
-        raise _Problem(
-            "select_interval",
-            f'select_strategy "{select_strategy}" needs an integer select_interval (a number of '
-            f'{unit}), got "auto"; give a number, or use select_strategy "auto"',
-        )
-    if (
-        select_strategy == "step"
-        and update_interval != "auto"
-        and select_interval < update_interval
-    ):
-        raise _Problem(
-            "select_interval",
-            f"{select_interval} steps is less than update_interval {update_interval}; selection "
-            f"happens at update boundaries, so use a multiple of update_interval "
-            f"({update_interval}, {2 * update_interval}, ...)",
-        )
-    return select_strategy
-
-
-def resolve_select_interval(
-    select_strategy: str,
-    select_interval: int | str,
-    update_interval: int | str,
-    steps_per_epoch: int | None,
-) -> int:
-    """The number of optimizer steps between reselections of the important columns.
-
-    ``steps_per_epoch`` counts optimizer steps (data-loader batches divided by
-    gradient_accumulation_steps), or is None when the epoch length is unknown.
-
-    ========  =====================================================================
-    strategy  select interval in steps
-    ========  =====================================================================
-    "step"    ``select_interval`` (an int); it must be >= update_interval
-    "epoch"   ``select_interval`` (an int of epochs) * steps_per_epoch; an unknown
-              steps_per_epoch is an error
-    "auto"    steps_per_epoch (every epoch) when known, otherwise
-              max(update_interval, 100), with a notice; an int select_interval
-              with "auto" means "step"
-    ========  =====================================================================
-
-    The result is a multiple of update_interval (a select boundary is an update boundary):
-    otherwise it is rounded up to the next multiple, with a notice. With update_interval "auto"
-    (adaptive) any number of steps is allowed.
-
-    Raises ``ConfigError`` (a ``ValueError``) naming the offending key.
-    """
-    strategy = _effective_strategy(select_strategy, select_interval, update_interval)
-    if steps_per_epoch is not None and (
-        isinstance(steps_per_epoch, bool)
-        or not isinstance(steps_per_epoch, int)
-        or steps_per_epoch < 1
-    ):
-        raise _Problem(
-            "steps_per_epoch", f"must be a positive integer or None, got {steps_per_epoch!r}"
-        )
-    unit = 1 if update_interval == "auto" else update_interval
-    if strategy == "step":
-        steps = select_interval
-    elif strategy == "epoch":
-        if steps_per_epoch is None:
-            raise _Problem(
-                "select_strategy",
-                '"epoch" needs the epoch length, which is not known: pass steps_per_epoch (the '
-                'number of optimizer steps per epoch), or use select_strategy "step" or "auto"',
-            )
-        steps = select_interval * steps_per_epoch
-    elif steps_per_epoch is not None:
-        steps = steps_per_epoch
-    else:
-        steps = _round_up(max(unit, 100), unit)
-        notice(
-            f'select_strategy "auto" without a known epoch length: reselecting every {steps} steps'
-        )
-    rounded = _round_up(steps, unit)
-    if rounded != steps:
-        notice(
-            f"select interval of {steps} steps is not a multiple of update_interval {unit}; "
-            f"rounded up to {rounded} steps"
-        )
-    return rounded
-
-
-def _round_up(steps: int, unit: int) -> int:
-    return -(-steps // unit) * unit
-
-
-class ZenFlowBlock(_Section):
-    """``zero_optimization.zenflow``: DeepSpeed's ``ZenFlowConfig`` fields, same defaults.
-
-    Extension over DeepSpeed: ``topk_ratio`` may be 0 (plain offload: nothing on the device) or 1
-    (every column on the device); DeepSpeed requires 0 < topk_ratio < 1. Also an integer
-    ``select_interval`` with ``select_strategy`` "auto" means "step" (DeepSpeed rejects it), and
-    ``full_warm_up_rounds`` must be >= 0.
-
-    ``steps_per_epoch`` (optimizer steps per epoch) normally comes from the data loader at run
-    time: ``load_config(..., steps_per_epoch=n)`` or ``with_steps_per_epoch(n)``.
-    """
-
-    extensions: ClassVar[frozenset[str]] = frozenset(
-        {"accumulate_on_device", "min_update_interval", "max_update_interval"}
-    )
-    """Fields DeepSpeed's ZenFlowConfig does not have."""
-
-    topk_ratio: float = Field(0.1, ge=0.0, le=1.0)
-    """Fraction of each weight's columns updated on the device every step."""
-    select_strategy: Literal["auto", "step", "epoch"] = "auto"
-    """How select_interval is counted: "step", "epoch" or "auto" (see resolve_select_interval)."""
-    select_interval: int | str = "auto"
-    """Steps or epochs between reselections of the important columns; an int or "auto"."""
-    update_interval: int | str = "auto"
-    """Steps between CPU updates of the other columns; an int or "auto" (adaptive)."""
-    overlap_step: bool = False
-    """Run the CPU update asynchronously, overlapped with the next window's compute."""
-    offload: bool = False
-    """Keep the selected columns' Adam state in pinned host memory instead of on the device."""
-    accumulate_on_device: bool = False
-    """zenflow extension: sum unselected gradients on the device (fp32) and ship each window's
-    sum once, instead of every step's gradient (less traffic, more device memory; one rank)."""
-    min_update_interval: Int | None = Field(None, ge=1)
-    """zenflow extension: the shortest window update_interval "auto" may choose (a window cut by
-    a reselection may be shorter), so that it never runs more CPU updates than this fixed
-    interval would; None: 4, or max_update_interval if that is smaller."""
-    max_update_interval: Int = Field(16, ge=1)
-    """zenflow extension: the longest window update_interval "auto" may choose."""
-    auto_ratio: float = Field(0.99, ge=0.0, le=1.0)
-    """Threshold of the adaptive update interval (update_interval "auto")."""
-    full_warm_up_rounds: Int = Field(0, ge=0)
-    """Steps of full (every parameter, every step) updates before selection starts."""
-    pt_reserved_cores_perc: float = Field(0.5, ge=0.0, le=1.0)
-    """Share of the rank's CPU cores kept for PyTorch; the rest run the CPU AdamW."""
-    steps_per_epoch: Int | None = Field(None, gt=0)
-    """Optimizer steps per epoch; set at run time from the data loader."""
-
-    @field_validator("select_interval", "update_interval", mode="before")
-    @classmethod
-    def _interval(cls, value: Any, info: ValidationInfo) -> Any:
-        value = _integral(value)
-        try:
-            _check_interval(info.field_name, value)
-        except _Problem as problem:
-            raise ValueError(problem.message) from None  # pydantic already names the field
-        return value
-
-    @model_validator(mode="after")
-    def _check_selection(self) -> ZenFlowBlock:
-        _effective_strategy(self.select_strategy, self.select_interval, self.update_interval)
-        self.select_interval_steps  # noqa: B018 -- resolve now so that a bad value fails at load
-        return self
-
-    @model_validator(mode="after")
-    def _check_auto_interval_bounds(self) -> ZenFlowBlock:
-        if self.min_update_interval is not None and (
-            self.min_update_interval > self.max_update_interval
-        ):
-            raise ValueError(
-                f"min_update_interval ({self.min_update_interval}) must be <= "
-                f"max_update_interval ({self.max_update_interval})"
-            )
-        return self
-
-    def _needs_epoch_length(self) -> bool:
-        strategy = _effective_strategy(
-            self.select_strategy, self.select_interval, self.update_interval
-        )
-        return self.steps_per_epoch is None and strategy in ("epoch", "auto")
-
-    @property
-    def select_interval_steps(self) -> int | None:
-        """Optimizer steps between reselections, or None until the epoch length is known.
-
-        None means select_strategy is "epoch" or "auto" and steps_per_epoch is not set yet: call
-        ``with_steps_per_epoch`` once the data loader is known (with None if there is none).
-        """
-        if self._needs_epoch_length():
-            return None
-        return resolve_select_interval(
-            self.select_strategy, self.select_interval, self.update_interval, self.steps_per_epoch
-        )
-
-    def with_steps_per_epoch(self, steps_per_epoch: int | None) -> ZenFlowBlock:
-        """A copy whose ``select_interval_steps`` is resolved.
-
-        ``steps_per_epoch`` is the number of optimizer steps per epoch, or None when the run has
-        no epoch length (no sized data loader): then strategy "auto" falls back to a fixed number
-        of steps (the copy has select_strategy "step" and that select_interval) and "epoch" is an
-        error.
-        """
-        try:
-            if steps_per_epoch is not None:
-                return _validate(
-                    ZenFlowBlock, {**self.model_dump(), "steps_per_epoch": steps_per_epoch}
-                )
-            if not self._needs_epoch_length():
-                return self
-            steps = resolve_select_interval(
-                self.select_strategy, self.select_interval, self.update_interval, None
-            )
-        except _Problem as problem:
-            raise ConfigError(f"{_ZENFLOW_PATH}.{problem}") from None
-        return self.model_copy(update={"select_strategy": "step", "select_interval": steps})
-
-    def cpu_adam_threads(self) -> int:
-        """Threads for the CPU AdamW: the cores not reserved for PyTorch (at least 1)."""
-        return max(1, int((os.cpu_count() or 1) * (1 - self.pt_reserved_cores_perc)))
-
 
 # --------------------------------------------------------------------------------------------
 # zero_optimization
 
 
-class OffloadOptimizerConfig(_Section):
+class OffloadOptimizerConfig(Section):
     """``zero_optimization.offload_optimizer``: where the fp32 master weights and Adam state live."""
 
     ignored_keys = frozenset(
@@ -362,7 +87,7 @@ class OffloadOptimizerConfig(_Section):
     """Use page-locked host buffers for the host-device copies."""
 
 
-class ZeroConfig(_Section):
+class ZeroConfig(Section):
     """``zero_optimization``: ZeRO stage 0, 1 or 2, optimizer offload and the ZenFlow block."""
 
     # DeepSpeed's other ZeRO keys; most matter only to stage 3, which zenflow does not run.
@@ -432,7 +157,7 @@ class ZeroConfig(_Section):
     """Elements per gradient reduction bucket."""
     overlap_comm: bool = False
     """Overlap gradient reduction with the backward pass."""
-    zenflow: ZenFlowBlock | None = None
+    zenflow: ZenFlowSettings | None = None
     """The ZenFlow block; its presence turns ZenFlow on."""
 
     @field_validator("stage")
@@ -449,15 +174,15 @@ class ZeroConfig(_Section):
         offload = self.offload_optimizer is not None and self.offload_optimizer.device == "cpu"
         if self.zenflow is not None:
             if not offload:
-                raise _Problem(
+                raise Problem(
                     "offload_optimizer",
                     f'zenflow requires "offload_optimizer": {{"device": "cpu"}}, got '
                     f"{_json(self.offload_optimizer)}",
                 )
             if self.stage == 0:
-                raise _Problem("stage", "zenflow requires ZeRO stage 1 or 2, got 0")
+                raise Problem("stage", "zenflow requires ZeRO stage 1 or 2, got 0")
         elif offload and self.stage == 0:
-            raise _Problem("stage", "offload_optimizer needs ZeRO stage 1 or 2, got 0")
+            raise Problem("stage", "offload_optimizer needs ZeRO stage 1 or 2, got 0")
         return self
 
 
@@ -469,7 +194,7 @@ def _json(section: BaseModel | None) -> str:
 # optimizer, scheduler, precision
 
 
-class AdamParams(_Section):
+class AdamParams(Section):
     """``optimizer.params``. Defaults are DeepSpeed's CPU Adam defaults."""
 
     ignored_keys = frozenset({"torch_adam", "fp32_optimizer_states", "foreach", "set_grad_none"})
@@ -495,13 +220,13 @@ class AdamParams(_Section):
     @model_validator(mode="after")
     def _supported(self) -> AdamParams:
         if not self.bias_correction:
-            raise _Problem("bias_correction", "false is not supported by zenflow; remove it")
+            raise Problem("bias_correction", "false is not supported by zenflow; remove it")
         if self.amsgrad:
-            raise _Problem("amsgrad", "true is not supported by zenflow; remove it")
+            raise Problem("amsgrad", "true is not supported by zenflow; remove it")
         return self
 
 
-class OptimizerConfig(_Section):
+class OptimizerConfig(Section):
     """``optimizer``: Adam or AdamW (case-insensitive, as in DeepSpeed).
 
     DeepSpeed's "Adam" is AdamW (decoupled weight decay) unless ``params.adam_w_mode`` is false.
@@ -526,7 +251,7 @@ class OptimizerConfig(_Section):
     def _adamw_only(self) -> OptimizerConfig:
         l2_adam = self.type.lower() == "adam" and not self.params.adam_w_mode
         if l2_adam and self.params.weight_decay != 0:
-            raise _Problem(
+            raise Problem(
                 "params.adam_w_mode",
                 "false (Adam with L2 weight decay) is not supported by zenflow, which implements "
                 "AdamW (decoupled weight decay); remove adam_w_mode or set weight_decay to 0",
@@ -624,17 +349,17 @@ def _is_number(value: Any) -> bool:
 def _scheduler_value_problem(name: str, value: Any) -> str | None:
     """What is wrong with ``value`` for scheduler parameter ``name``, or None."""
     if name in _SCHEDULER_FLAGS:
-        return None if isinstance(value, bool) else f"must be true or false, got {_describe(value)}"
+        return None if isinstance(value, bool) else f"must be true or false, got {describe(value)}"
     if name == "warmup_type":
         if value in _WARMUP_TYPES:
             return None
-        return f'must be "log" or "linear", got {_describe(value)}'
+        return f'must be "log" or "linear", got {describe(value)}'
     if value is None and name in _SCHEDULER_NULLABLE:
         return None
     per_group = name.endswith(("_lr", "_mom")) and isinstance(value, list) and value
     values = value if per_group else [value]
     if not all(_is_number(v) for v in values):
-        return f"must be a finite number, got {_describe(value)}"
+        return f"must be a finite number, got {describe(value)}"
     # The schedule writes these into the optimizer: a learning rate below 0 or a beta1 outside
     # [0, 1) would fail (or train backwards) at some later step.
     if name.endswith("_lr") and min(values) < 0:
@@ -644,7 +369,7 @@ def _scheduler_value_problem(name: str, value: Any) -> str | None:
     return None
 
 
-class SchedulerConfig(_Section):
+class SchedulerConfig(Section):
     """``scheduler``: one of DeepSpeed's LR schedules, built by ``build_lr_scheduler``.
 
     ``params`` are the schedule class's constructor arguments; their names are checked here,
@@ -659,7 +384,7 @@ class SchedulerConfig(_Section):
     def _type(cls, name: str) -> str:
         if name not in _SCHEDULER_PARAMS:
             raise ValueError(
-                f"{name!r} is not a DeepSpeed LR schedule{_did_you_mean(name, _SCHEDULER_PARAMS)}; "
+                f"{name!r} is not a DeepSpeed LR schedule{did_you_mean(name, _SCHEDULER_PARAMS)}; "
                 f"use one of {', '.join(_SCHEDULER_PARAMS)}"
             )
         return name
@@ -670,21 +395,21 @@ class SchedulerConfig(_Section):
         allowed = required | optional
         for name in self.params:
             if name not in allowed:
-                raise _Problem(
+                raise Problem(
                     f"params.{name}",
-                    f"not a parameter of {self.type}{_did_you_mean(name, allowed)}; "
+                    f"not a parameter of {self.type}{did_you_mean(name, allowed)}; "
                     f"allowed: {', '.join(sorted(allowed))}",
                 )
         for name in sorted(required - self.params.keys()):
-            raise _Problem(f"params.{name}", f"required by {self.type}")
+            raise Problem(f"params.{name}", f"required by {self.type}")
         for name, value in self.params.items():
             problem = _scheduler_value_problem(name, value)
             if problem is not None:
-                raise _Problem(f"params.{name}", problem)
+                raise Problem(f"params.{name}", problem)
         return self
 
 
-class BF16Config(_Section):
+class BF16Config(Section):
     """``bf16`` (DeepSpeed also reads ``bfloat16``): bf16 mixed precision, fp32 master weights."""
 
     ignored_keys = frozenset(
@@ -699,7 +424,7 @@ class BF16Config(_Section):
     enabled: bool = False
 
 
-class FP16Config(_Section):
+class FP16Config(Section):
     """``fp16``: fp16 mixed precision with loss scaling (DeepSpeed's fields and defaults)."""
 
     ignored_keys = frozenset(
@@ -724,7 +449,7 @@ class FP16Config(_Section):
         if self.enabled and self.loss_scale == 0:
             for key in ("loss_scale_window", "hysteresis", "min_loss_scale"):
                 if getattr(self, key) < 1:
-                    raise _Problem(
+                    raise Problem(
                         key,
                         f"must be >= 1 with dynamic loss scaling (loss_scale 0), got {getattr(self, key)}",
                     )
@@ -808,7 +533,7 @@ def _default_world_size() -> int:
     return 1
 
 
-class ZenFlowConfig(_Section):
+class ZenFlowConfig(Section):
     """The whole config: a DeepSpeed JSON config as zenflow reads it. Build it with ``load_config``.
 
     Resolved values (all set after loading):
@@ -853,9 +578,9 @@ class ZenFlowConfig(_Section):
     @model_validator(mode="after")
     def _resolve(self, info: ValidationInfo) -> ZenFlowConfig:
         if self.bf16.enabled and self.fp16.enabled:
-            raise _Problem("bf16", "bf16 and fp16 cannot both be enabled; enable one of them")
+            raise Problem("bf16", "bf16 and fp16 cannot both be enabled; enable one of them")
         if self.fp16.enabled and self.nonfinite_gradients == "raise":
-            raise _Problem(
+            raise Problem(
                 "nonfinite_gradients",
                 '"raise" cannot be used with fp16: its loss scaling skips the steps that '
                 'overflow; remove the key (or write "skip")',
@@ -871,14 +596,14 @@ class ZenFlowConfig(_Section):
         micro = self.train_micro_batch_size_per_gpu
         accumulation = self.gradient_accumulation_steps
         if batch is None and micro is None:
-            raise _Problem(
+            raise Problem(
                 "train_batch_size",
                 "give train_batch_size or train_micro_batch_size_per_gpu (or both)",
             )
         if micro is None:
             accumulation = accumulation or 1
             if batch % (accumulation * world_size):
-                raise _Problem(
+                raise Problem(
                     "train_batch_size",
                     f"{batch} is not divisible by gradient_accumulation_steps {accumulation} x "
                     f"world size {world_size}",
@@ -889,14 +614,14 @@ class ZenFlowConfig(_Section):
             batch = micro * accumulation * world_size
         elif accumulation is None:
             if batch % (micro * world_size):
-                raise _Problem(
+                raise Problem(
                     "train_batch_size",
                     f"{batch} is not divisible by train_micro_batch_size_per_gpu {micro} x "
                     f"world size {world_size}",
                 )
             accumulation = batch // (micro * world_size)
         if batch != micro * accumulation * world_size:
-            raise _Problem(
+            raise Problem(
                 "train_batch_size",
                 f"{batch} must equal train_micro_batch_size_per_gpu {micro} x "
                 f"gradient_accumulation_steps {accumulation} x world size {world_size} "
@@ -916,7 +641,7 @@ class ZenFlowConfig(_Section):
         return self.train_micro_batch_size_per_gpu
 
     @property
-    def zenflow(self) -> ZenFlowBlock | None:
+    def zenflow(self) -> ZenFlowSettings | None:
         return self.zero_optimization.zenflow
 
     @property
@@ -957,7 +682,7 @@ class ZenFlowConfig(_Section):
         return self.optimizer.params.weight_decay
 
     def with_steps_per_epoch(self, steps_per_epoch: int | None) -> ZenFlowConfig:
-        """A copy with the zenflow select interval resolved (see ``ZenFlowBlock.with_steps_per_epoch``).
+        """A copy with the zenflow select interval resolved (see ``ZenFlowSettings.with_steps_per_epoch``).
 
         Returns self when ZenFlow is off.
         """
@@ -999,7 +724,7 @@ def load_config(
     zenflow = data.get("zero_optimization", {}).get("zenflow")
     if steps_per_epoch is not None and zenflow is not None:
         zenflow["steps_per_epoch"] = steps_per_epoch
-    return _validate(ZenFlowConfig, data, context={"world_size": world_size})
+    return validate(ZenFlowConfig, data, context={"world_size": world_size})
 
 
 def build_lr_scheduler(config: ZenFlowConfig, optimizer: Any) -> Any:
@@ -1061,7 +786,7 @@ def _top_level_aliases(data: Any) -> Any:
     return {("bf16" if key == "bfloat16" else key): value for key, value in data.items()}
 
 
-def _check_keys(data: Any, model: type[_Section], path: str) -> dict:
+def _check_keys(data: Any, model: type[Section], path: str) -> dict:
     """Check the keys of one JSON object against ``model``, recursively, before pydantic runs.
 
     Unknown keys fail (with a suggestion), DeepSpeed keys zenflow does not use get a notice and
@@ -1069,7 +794,7 @@ def _check_keys(data: Any, model: type[_Section], path: str) -> dict:
     """
     if not isinstance(data, dict):
         raise ConfigError(
-            f"{path or 'config'}: expected a JSON object {{...}}, got {_describe(data)}"
+            f"{path or 'config'}: expected a JSON object {{...}}, got {describe(data)}"
         )
     if path == "" and data.get("gradient_allreduce_op", "mean") != "mean":
         raise ConfigError(
@@ -1092,7 +817,7 @@ def _check_keys(data: Any, model: type[_Section], path: str) -> dict:
         else:
             known = model.model_fields.keys() | model.ignored_keys
             raise ConfigError(
-                f"{where}: unknown key{_did_you_mean(str(key), known)}; allowed: "
+                f"{where}: unknown key{did_you_mean(str(key), known)}; allowed: "
                 f"{', '.join(sorted(model.model_fields))}"
             )
     return checked
@@ -1106,54 +831,9 @@ def _key_name(key: Any) -> str:
     return key if plain and ": " not in key else json.dumps(key)
 
 
-def _section_type(annotation: Any) -> type[_Section] | None:
-    """The _Section class of a field annotated ``Section`` or ``Section | None``."""
+def _section_type(annotation: Any) -> type[Section] | None:
+    """The Section class of a field annotated ``Section`` or ``Section | None``."""
     for candidate in (annotation, *typing.get_args(annotation)):
-        if isinstance(candidate, type) and issubclass(candidate, _Section):
+        if isinstance(candidate, type) and issubclass(candidate, Section):
             return candidate
     return None
-
-
-def _did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, sorted(choices), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _describe(value: Any) -> str:
-    if value is None:
-        return "null"
-    kind = {bool: "a boolean", list: "a list", str: "a string"}.get(type(value))
-    if kind is None:
-        kind = "a number" if isinstance(value, (int, float)) else type(value).__name__
-    return f"{kind} ({json.dumps(value, default=repr)[:60]})"
-
-
-def _validate(model: type[BaseModel], data: dict, context: dict | None = None) -> Any:
-    path = _ZENFLOW_PATH if model is ZenFlowBlock else ""
-    try:
-        return model.model_validate(data, context=context)
-    except ValidationError as error:
-        raise ConfigError(_format_errors(error, path)) from None
-
-
-def _format_errors(error: ValidationError, path: str) -> str:
-    lines = []
-    for problem in error.errors():
-        keys = [path] if path else []
-        keys += [str(part) for part in problem["loc"]]
-        cause = problem.get("ctx", {}).get("error")
-        if isinstance(cause, _Problem):
-            keys.append(cause.key)
-            message = cause.message
-        else:
-            message = problem["msg"].removeprefix("Value error, ")
-            if problem["type"] not in ("value_error", "missing"):
-                message += f", got {_describe(problem['input'])}"
-        lines.append(f"{'.'.join(keys) or 'config'}: {message}")
-    return "\n".join(dict.fromkeys(lines))
-
-
-def zenflow_block(**fields: Any) -> ZenFlowBlock:
-    """Validate zenflow settings given as keyword arguments (the Python API's path to the same
-    rules and messages as the JSON block)."""
-    return _validate(ZenFlowBlock, fields)

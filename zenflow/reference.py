@@ -29,7 +29,7 @@ from zenflow.columns import (
     select_top_columns,
     topk_count,
 )
-from zenflow.config import resolve_select_interval
+from zenflow.settings import resolve_select_interval
 
 Selector = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 

@@ -19,20 +19,15 @@ floor is a budget: "auto" never runs the CPU update more often than a fixed inte
 
 How large: a window of n steps updates its columns once, from the mean of n gradients taken
 while those columns stood still: for them it is one step on an n times larger batch, so its
-learning rate follows Adam's square-root scaling rule, ``lr * sqrt(n)`` (``lr_scale``). With a
+learning rate follows Adam's square-root scaling rule, ``lr * sqrt(n)``
+(``zenflow.runtime.schedule.lr_scale``). With a
 fixed interval every window has the same length and that factor would be a constant (ZenFlow's
 semantics, and DeepSpeed's, take one ``lr`` step per window); "auto" chooses lengths from 1 to
 ``max_interval``, and without the factor its longest windows would move the waiting columns
 least.
 """
 
-import math
 from dataclasses import dataclass
-
-
-def lr_scale(window_steps: int) -> float:
-    """The factor on ``lr`` for the CPU update of an "auto" window of ``window_steps`` steps."""
-    return math.sqrt(window_steps)
 
 
 @dataclass

@@ -20,8 +20,10 @@ SHA-256 the marker records (``rank<r>.pt``, or ``.next`` after a crash in phase 
 any other: torch.load alone does not notice a flipped byte inside tensor data. ``latest`` never
 names a tag that was not committed.
 
-Checkpoints are pickles read with ``weights_only=False``, as DeepSpeed's are (``client_state``
-may hold any picklable object): load only checkpoints you trust.
+Files are read with ``torch.load(weights_only=True)``: tensors and plain values only, so that a
+checkpoint directory someone else wrote cannot run code when it is loaded. A ``client_state``
+holding other objects loads only with ``trusted=True`` (``load_checkpoint``'s
+``client_state_from_trusted_file``), which unpickles the file as it is.
 """
 
 import hashlib
@@ -183,9 +185,12 @@ def _read_marker(load_dir: str | os.PathLike, tag: str) -> tuple[str, dict]:
     return marker, committed
 
 
-def load(load_dir: str | os.PathLike, tag: str, rank: int, mmap: bool = False) -> tuple[str, dict]:
+def load(
+    load_dir: str | os.PathLike, tag: str, rank: int, *, trusted: bool = False, mmap: bool = False
+) -> tuple[str, dict]:
     """Rank ``rank``'s saved state under a committed ``tag``: (its path, the state). ``mmap``:
-    tensors are read from the file as they are touched (copy-on-write), not all at once."""
+    tensors are read from the file as they are touched (copy-on-write), not all at once.
+    ``trusted``: unpickle any object the file holds (else tensors and plain values only)."""
     marker, committed = _read_marker(load_dir, tag)
     path = rank_file(load_dir, tag, rank)
     try:
@@ -209,10 +214,26 @@ def load(load_dir: str | os.PathLike, tag: str, rank: int, mmap: bool = False) -
     path = found
     try:
         # Onto the CPU: the engine moves each piece to where its owner keeps it.
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as error:
+        state = torch.load(path, map_location="cpu", weights_only=not trusted, mmap=mmap)
+    except pickle.UnpicklingError as error:
+        if trusted or "weights_only" not in str(error):
+            raise _corrupted(path, error) from error
+        first_line = str(error).strip().splitlines()[0]
         raise RuntimeError(
-            f"checkpoint file {path} is truncated or corrupted and cannot be loaded ({error}); "
-            "load another tag"
+            f"checkpoint file {path} holds objects other than tensors and plain values "
+            f"({first_line}); zenflow reads checkpoints with torch.load(weights_only=True), so "
+            "that a file someone else wrote cannot run code. A client_state of your own "
+            "objects (or numpy's RNG state, as files written before that was stored as a "
+            "tensor hold it) loads with load_checkpoint(..., "
+            "client_state_from_trusted_file=True): only for files you trust"
         ) from error
+    except (RuntimeError, EOFError, OSError, ValueError) as error:
+        raise _corrupted(path, error) from error
     return path, state
+
+
+def _corrupted(path: str, error: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"checkpoint file {path} is truncated or corrupted and cannot be loaded ({error}); "
+        "load another tag"
+    )

@@ -34,7 +34,14 @@ def run_collective(name: str, world_size: int, collective, *args, **kwargs) -> N
         ) from error
 
 
+# Set by _route_host_tensors_for_tests: the device host tensors cross through, as with NCCL.
+_host_tensors_via_for_tests: torch.device | None = None
+
+
 class DataParallel:
+    """One optimizer's data-parallel group: its ZeRO stage, world size and rank, and the
+    device host tensors cross through for a backend that moves device tensors only."""
+
     def __init__(self, zero_stage: int = 2, group=None):
         if zero_stage not in (1, 2):
             raise ValueError(f"zero_stage must be 1 or 2, got {zero_stage}")
@@ -45,7 +52,7 @@ class DataParallel:
         self.rank = dist.get_rank(group) if distributed else 0
         # NCCL moves device tensors only: host tensors (scores, energies, host rows) cross
         # through the current GPU. gloo takes both.
-        self._host_tensors_via = None
+        self._host_tensors_via = _host_tensors_via_for_tests if distributed else None
         if distributed and "gloo" not in str(dist.get_backend(group)):
             self._host_tensors_via = torch.device("cuda", torch.cuda.current_device())
 
@@ -126,3 +133,11 @@ class DataParallel:
         )
         chunks = [gathered[r * width : r * width + c] for r, c in enumerate(counts)]
         return torch.cat(chunks).to(mine.device)
+
+
+def _route_host_tensors_for_tests(device: torch.device | None) -> None:
+    """Groups created from now on send host tensors through ``device`` as they would through
+    the GPU with NCCL (copied there for the collective, results copied back), with another
+    backend: NCCL's path for host tensors, tested with gloo and the CPU standing in."""
+    global _host_tensors_via_for_tests
+    _host_tensors_via_for_tests = device

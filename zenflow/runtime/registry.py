@@ -1,6 +1,6 @@
 """Which runtime object owns which parameter, by integer slot.
 
-Compiled graphs cannot hold Python objects, so the custom ops in ``zenflow.ops`` carry a slot
+Compiled graphs cannot hold Python objects, so the custom ops in ``zenflow.compile.ops`` carry a slot
 number; the optimizer registers each weight it owns here and the backend looks parameters up
 by identity when it compiles.
 """

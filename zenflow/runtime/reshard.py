@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 
+from zenflow.runtime.state_schema import WeightRecord, check_format
+
 Block = Callable[[int, int], tuple[int, int]]
 
 
@@ -31,7 +33,12 @@ def reshard(states: list[dict], world_size: int, rank: int, block: Block) -> dic
     _check_complete(states)
     first = states[0]
     weights = [
-        _weight([state["weights"][i] for state in states], world_size, rank, block)
+        _weight(
+            [WeightRecord.from_dict(state["weights"][i]) for state in states],
+            world_size,
+            rank,
+            block,
+        ).to_dict()
         for i in range(len(first["weights"]))
     ]
     return {**first, "world_size": world_size, "rank": rank, "weights": weights}
@@ -40,6 +47,8 @@ def reshard(states: list[dict], world_size: int, rank: int, block: Block) -> dic
 def _check_complete(states: list[dict]) -> None:
     if not states:
         raise ValueError("resharding needs the state dicts of every saved rank, got none")
+    for state in states:
+        check_format(state)
     saved_ranks = [(state.get("rank"), state.get("world_size")) for state in states]
     expected = [(rank, len(states)) for rank in range(len(states))]
     if saved_ranks != expected:
@@ -52,22 +61,22 @@ def _check_complete(states: list[dict]) -> None:
         raise ValueError(f"the saved ranks' settings differ: {sorted(settings)}")
 
 
-def _weight(saved: list[dict], world_size: int, rank: int, block: Block) -> dict:
+def _weight(saved: list[WeightRecord], world_size: int, rank: int, block: Block) -> WeightRecord:
     first = saved[0]
-    order, k = first["order"], first["k"]
+    order, k = first.order, first.k
     columns = order.numel()
-    host = [torch.empty(columns, *t.shape[1:], dtype=t.dtype) for t in first["host"]]
+    host = [torch.empty(columns, *t.shape[1:], dtype=t.dtype) for t in first.host]
     window_sum = None
-    if first["accumulator"] is not None:
-        window_sum = torch.zeros(columns, first["host"][0].shape[1])
-    for saved_rank, state in enumerate(saved):
-        local_order = state["local_orders"][saved_rank]
-        for natural, rows in zip(host, state["host"], strict=True):
+    if first.accumulator is not None:
+        window_sum = torch.zeros(columns, first.host[0].shape[1])
+    for saved_rank, record in enumerate(saved):
+        local_order = record.local_orders[saved_rank]
+        for natural, rows in zip(host, record.host, strict=True):
             natural[local_order] = rows
         if window_sum is not None:
-            summed_columns = local_order[state["k_locals"][saved_rank] :]
-            window_sum[summed_columns] += state["accumulator"].cpu()
-            for batch_by_columns, out_grad in state["window_factors"]:
+            summed_columns = local_order[record.k_locals[saved_rank] :]
+            window_sum[summed_columns] += record.accumulator.cpu()
+            for batch_by_columns, out_grad in record.window_factors:
                 window_sum += batch_by_columns.t().cpu() @ out_grad.cpu()
 
     selected, unselected = order[:k], order[k:]
@@ -80,14 +89,16 @@ def _weight(saved: list[dict], world_size: int, rank: int, block: Block) -> dict
         local_orders.append(torch.cat([selected[mine[selected]], unselected[mine[unselected]]]))
         k_locals.append(int(mine[selected].sum()))
     unselected_parts = [o[kl:] for o, kl in zip(local_orders, k_locals, strict=True)]
-    new_order = torch.cat([selected, *unselected_parts])
     local_order, k_local = local_orders[rank], k_locals[rank]
-    return {
-        **first,
-        "order": new_order,
-        "local_orders": local_orders,
-        "k_locals": k_locals,
-        "host": [natural[local_order] for natural in host],
-        "accumulator": None if window_sum is None else window_sum[local_order[k_local:]],
-        "window_factors": [],
-    }
+    return WeightRecord(
+        order=torch.cat([selected, *unselected_parts]),
+        local_orders=local_orders,
+        k=k,
+        k_locals=k_locals,
+        host=[natural[local_order] for natural in host],
+        device=first.device,
+        accumulator=None if window_sum is None else window_sum[local_order[k_local:]],
+        window_factors=[],
+        in_window=first.in_window,
+        pending=first.pending,
+    )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zenflow.passes.graph_edit import output_values
+from zenflow.compile.passes.graph_edit import output_values
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,9 @@ backward runs.
 
 import torch
 
-import zenflow.ops  # noqa: F401  (registers torch.ops.zenflow)
-from zenflow.passes.graph_edit import call, output_values, set_output_values
-from zenflow.passes.locate_grads import GradSite
+import zenflow.compile.ops  # noqa: F401  (registers torch.ops.zenflow)
+from zenflow.compile.passes.graph_edit import call, output_values, set_output_values
+from zenflow.compile.passes.locate_grads import GradSite
 
 aten = torch.ops.aten
 

@@ -14,12 +14,16 @@ accumulation window.
 
 Which optimizer the config asks for:
 
-* a ``zero_optimization.zenflow`` block: ``ZenFlowAdamW`` with the block's settings;
+* a ``zero_optimization.zenflow`` block: ``ZenFlowAdamW`` with the block as its settings;
 * no block, ``offload_optimizer.device`` "cpu" (ZeRO-Offload): ``ZenFlowAdamW`` with
   topk_ratio 0 and update_interval 1, which is exactly offloaded AdamW;
 * no block, no offload, bf16 or fp16: ``ZenFlowAdamW`` with topk_ratio 1 (AdamW on the device
   with fp32 masters, the role of DeepSpeed's mixed-precision optimizers);
-* otherwise ``torch.optim.AdamW``: the plain baseline.
+* otherwise ``zenflow.adamw.PlainAdamW``: torch's AdamW, the plain baseline.
+
+Either way the engine talks to one interface (``step(grad_divisor=)``, ``last_step_skipped``,
+``flush``, ``stats``, ``fp32_parameters``, ``check_usable``, ``load_resharded``), and the finite
+check and clipping happen inside the optimizer's step, after the overflow check.
 
 ``ZenFlowAdamW``'s device step is built eager: a run that is not compiled pays no Inductor
 compile time. ``engine.compile()`` switches it to Inductor when the model itself is compiled
@@ -41,19 +45,24 @@ import torch.distributed as dist
 # process (SIGABRT, "terminate called without an active exception") after training succeeded.
 import torch.distributed.nn.functional  # noqa: F401
 
+from zenflow.adamw import PlainAdamW
 from zenflow.config import ZenFlowConfig, build_lr_scheduler, load_config
+from zenflow.loss_scaler import LossScaler
 from zenflow.notices import notice
-from zenflow.optimizer import NonFiniteGradientError, ZenFlowAdamW
+from zenflow.optimizer import ZenFlowAdamW
 from zenflow.runtime import checkpoint
-from zenflow.runtime.comm import DataParallel
-from zenflow.runtime.loss_scaler import LossScaler
+from zenflow.runtime.nonfinite import NonFiniteGradientError
+from zenflow.settings import ZenFlowSettings
 
 # Set by torchrun and by the deepspeed launcher.
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 
-# Mixed precision without offload: every column is selected at the first step and stays
-# selected, so the selection is never recomputed (a reselection would only move state around).
-_SELECT_ONCE = 2**62
+# ZeRO-Offload without ZenFlow: nothing on the device, every column updated on the CPU every step.
+_OFFLOAD_ONLY = ZenFlowSettings(topk_ratio=0.0, update_interval=1, select_interval=1)
+# Mixed precision without offload: AdamW on the device with fp32 masters. Every column is
+# selected at the first step and stays selected, so the selection is never recomputed (a
+# reselection would only move state around).
+_ON_DEVICE_ONLY = ZenFlowSettings(topk_ratio=1.0, update_interval=1, select_interval=2**62)
 
 _CHECKPOINT_FORMAT = "zenflow.Engine/1"
 
@@ -256,8 +265,7 @@ class Engine:
         raises ``zenflow.NonFiniteGradientError`` after dropping the window's gradients (catch
         it to go on with the next batch). After a ``CPUAdamError`` or ``CollectiveError`` the
         engine refuses to step or save until ``load_checkpoint``."""
-        if isinstance(self.optimizer, ZenFlowAdamW):
-            self.optimizer.check_usable()
+        self.optimizer.check_usable()
         if not self._backward_in_window:
             raise RuntimeError(
                 "engine.step() before any engine.backward() in this gradient accumulation "
@@ -283,29 +291,10 @@ class Engine:
 
     def _optimizer_step(self) -> bool:
         """Run the optimizer; returns whether the step was skipped (non-finite gradient and
-        nonfinite_gradients "skip"), raises NonFiniteGradientError for "raise"."""
-        if isinstance(self.optimizer, ZenFlowAdamW):
-            # Clipping (max_grad_norm) and unscaling happen inside, after the overflow check.
-            self.optimizer.step(grad_divisor=self.loss_scaler.scale)
-            return self.optimizer.last_step_skipped
-        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        # Data parallel without ZeRO: every rank steps on the mean gradient, as DDP would.
-        data_parallel = DataParallel()
-        for p in params:
-            data_parallel.all_reduce_mean_(p.grad)
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if not torch.isfinite(norm):
-            if self.config.nonfinite == "skip":
-                return True
-            raise NonFiniteGradientError(
-                f"the gradient norm of step {self.global_steps + 1} is {norm.item()}: a NaN or "
-                "infinite gradient; nothing was committed. Find the cause, or skip such steps "
-                'with "nonfinite_gradients": "skip" in the config'
-            )
-        if self.config.gradient_clipping > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.config.gradient_clipping, norm)
-        self.optimizer.step()
-        return False
+        nonfinite_gradients "skip"), raises NonFiniteGradientError for "raise". Clipping
+        (gradient_clipping) and unscaling happen inside, after the overflow check."""
+        self.optimizer.step(grad_divisor=self.loss_scaler.scale)
+        return self.optimizer.last_step_skipped
 
     def zero_grad(self) -> None:
         """Drop the gradients of the current accumulation window."""
@@ -319,15 +308,14 @@ class Engine:
         self._forward = torch.compile(self.module, backend=backend, **kwargs)
         inner = (kwargs.get("options") or {}).get("inner", "inductor")
         uses_inductor = backend == "inductor" or (backend == "zenflow" and inner == "inductor")
-        if isinstance(self.optimizer, ZenFlowAdamW) and uses_inductor:
+        if uses_inductor:
             # The device update as step_backend "auto" runs it (Inductor on the CPU, torch's
             # multi-tensor kernels on a GPU); uncompiled engines keep it eager.
             self.optimizer.step_backend = "auto"
 
     def flush(self) -> None:
         """Apply every pending ZenFlow update (overlapped CPU update, open window)."""
-        if isinstance(self.optimizer, ZenFlowAdamW):
-            self.optimizer.flush()
+        self.optimizer.flush()
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
@@ -351,8 +339,8 @@ class Engine:
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def stats(self) -> dict:
-        """The optimizer's stats (ZenFlowAdamW's; none for torch AdamW) and the engine's."""
-        stats = self.optimizer.stats() if isinstance(self.optimizer, ZenFlowAdamW) else {}
+        """The optimizer's stats and the engine's."""
+        stats = self.optimizer.stats()
         stats.update(
             global_steps=self.global_steps,
             micro_steps=self.micro_steps,
@@ -371,8 +359,7 @@ class Engine:
         Collective: every rank calls it. Only between accumulation windows (after the step()
         that ends one): accumulated gradients are not part of a checkpoint.
         """
-        if isinstance(self.optimizer, ZenFlowAdamW):
-            self.optimizer.check_usable()  # a failed run must not overwrite good checkpoints
+        self.optimizer.check_usable()  # a failed run must not overwrite good checkpoints
         if self._backward_in_window or self.micro_steps % self.gradient_accumulation_steps():
             raise RuntimeError(
                 "save_checkpoint() inside a gradient accumulation window: the gradients "
@@ -403,17 +390,23 @@ class Engine:
         *,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
+        client_state_from_trusted_file: bool = False,
     ):
         """Resume from a committed checkpoint (``tag`` None: the one ``latest`` names).
 
         Returns ``(path of this rank's file, client_state)``, or ``(None, None)`` when there is
         no checkpoint to load.
+
+        Files are read with ``torch.load(weights_only=True)``: tensors and plain values only,
+        nothing that runs code. A ``client_state`` that held other objects (instances of your
+        classes) needs ``client_state_from_trusted_file=True``, which unpickles the files as
+        they are: only for checkpoints you trust, since a crafted file can then run code.
         """
         resolved = checkpoint.resolve_tag(load_dir, None if tag is None else str(tag))
         if resolved is None:
             notice(f"no checkpoint to load in {os.fspath(load_dir)} (tag {tag!r})")
             return None, None
-        if not load_optimizer_states and isinstance(self.optimizer, ZenFlowAdamW):
+        if not load_optimizer_states and self.optimizer.holds_master_weights:
             raise ValueError(
                 "load_optimizer_states=False with ZenFlowAdamW: its fp32 master weights are "
                 "optimizer state, so the model cannot resume without it; load them too"
@@ -422,20 +415,22 @@ class Engine:
         # Every rank saved the same module, scheduler and counters; the optimizer's host state is
         # each rank's own, and at another world size it is cut anew from all of them.
         mine = _rank() % saved_world_size
-        reshard = saved_world_size != self.config.world_size and isinstance(
-            self.optimizer, ZenFlowAdamW
-        )
+        reshard = saved_world_size != self.config.world_size and load_optimizer_states
+        trusted = client_state_from_trusted_file
         if reshard:
             notice(
                 f"resharding checkpoint {resolved!r}: saved by {saved_world_size} processes, "
                 f"loaded by {self.config.world_size}"
             )
             # Mapped, not read: of every saved rank's file only this rank's columns are touched.
-            saved = [_load_state(load_dir, resolved, r, mmap=True) for r in range(saved_world_size)]
+            saved = [
+                _load_state(load_dir, resolved, r, trusted, mmap=True)
+                for r in range(saved_world_size)
+            ]
             path, state = saved[mine]
             optimizers = [rank_state["optimizer"] for _, rank_state in saved]
         else:
-            path, state = _load_state(load_dir, resolved, mine)
+            path, state = _load_state(load_dir, resolved, mine, trusted)
         self.zero_grad()
         # The optimizer first: loading it applies this engine's own pending updates to the
         # parameters, which the module's saved values then replace.
@@ -478,9 +473,7 @@ class Engine:
         updates; loads into a plain fp32 copy of the model. Trained parameters come from the
         optimizer's fp32 masters (not from 16-bit weights); the rest are cast from the module."""
         self.flush()
-        masters = (
-            self.optimizer.fp32_parameters() if isinstance(self.optimizer, ZenFlowAdamW) else {}
-        )
+        masters = self.optimizer.fp32_parameters()
         state = {
             name: value.float() if value.is_floating_point() else value
             for name, value in self.module.state_dict().items()
@@ -495,40 +488,22 @@ class Engine:
         }
 
 
-def _build_optimizer(config: ZenFlowConfig, params) -> torch.optim.Optimizer:
+def _build_optimizer(config: ZenFlowConfig, params) -> ZenFlowAdamW | PlainAdamW:
     hyper = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
-    block = config.zenflow
-    if block is not None:
-        zenflow = dict(
-            topk_ratio=block.topk_ratio,
-            update_interval=block.update_interval,
-            auto_ratio=block.auto_ratio,
-            min_update_interval=block.min_update_interval,
-            max_update_interval=block.max_update_interval,
-            accumulate_on_device=block.accumulate_on_device,
-            select_interval=block.select_interval,
-            select_strategy=block.select_strategy,
-            steps_per_epoch=block.steps_per_epoch,
-            overlap_step=block.overlap_step,
-            offload=block.offload,
-            full_warm_up_rounds=block.full_warm_up_rounds,
-            pt_reserved_cores_perc=block.pt_reserved_cores_perc,
-        )
-    elif config.cpu_offload:
-        # ZeRO-Offload: nothing on the device, every column updated on the CPU every step.
-        zenflow = dict(topk_ratio=0.0, update_interval=1, select_interval=1)
-    elif config.bf16.enabled or config.fp16.enabled:
-        # 16-bit weights need fp32 masters (and fp16 an overflow check): AdamW on the device.
-        zenflow = dict(topk_ratio=1.0, update_interval=1, select_interval=_SELECT_ONCE)
-    else:
-        return torch.optim.AdamW(params, **hyper)
+    common = dict(max_grad_norm=config.gradient_clipping or None, nonfinite=config.nonfinite)
+    settings = config.zenflow
+    if settings is None and config.cpu_offload:
+        settings = _OFFLOAD_ONLY
+    elif settings is None and (config.bf16.enabled or config.fp16.enabled):
+        settings = _ON_DEVICE_ONLY  # 16-bit weights need fp32 masters, fp16 an overflow check
+    if settings is None:
+        return PlainAdamW(params, **hyper, **common)
     return ZenFlowAdamW(
         params,
         **hyper,
-        **zenflow,
-        max_grad_norm=config.gradient_clipping or None,  # 0 means no clipping
+        **common,
+        settings=settings,
         step_backend="eager",
-        nonfinite=config.nonfinite,
         # Stage 0 (mixed precision without offload) averages gradients over ranks as stage 1
         # does; partitioning the host state as well changes no value.
         zero_stage=max(config.zero_stage, 1),
@@ -569,17 +544,26 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _load_state(load_dir, tag: str, rank: int, mmap: bool = False) -> tuple[str, dict]:
-    path, state = checkpoint.load(load_dir, tag, rank, mmap)
+def _load_state(load_dir, tag: str, rank: int, trusted: bool, mmap: bool = False):
+    path, state = checkpoint.load(load_dir, tag, rank, trusted=trusted, mmap=mmap)
     if not isinstance(state, dict) or state.get("format") != _CHECKPOINT_FORMAT:
         raise RuntimeError(f"{path} is not a {_CHECKPOINT_FORMAT} checkpoint")
     return path, state
 
 
 def _rng_state() -> dict:
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        # As a tensor and plain values, not numpy's array: the file then loads with
+        # torch.load(weights_only=True).
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "position": position,
+            "has_gauss": has_gauss,
+            "cached_gaussian": cached_gaussian,
+        },
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
@@ -587,7 +571,18 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        numpy_state = (
+            numpy_state["kind"],
+            numpy_state["keys"].numpy().astype(np.uint32),
+            numpy_state["position"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    # Else numpy's own tuple: a checkpoint written before the state was stored as a tensor
+    # (loaded with client_state_from_trusted_file=True).
+    np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -20,15 +20,15 @@ import torch
 
 _INNER = ("inductor", "eager")
 
-# The sources that decide what a rewritten backward graph looks like, in zenflow's package.
-_PACKAGE = Path(__file__).resolve().parent
+# The sources that decide what a rewritten backward graph looks like, in the compiler package.
+_COMPILER = Path(__file__).resolve().parent
 _REWRITE_SOURCES = ("backend.py", "ops.py", "passes")
 
 
 def rewrite_backward(gm: torch.fx.GraphModule, slot_of_input: dict[int, int]) -> None:
     """Run zenflow's passes over a backward graph, in place."""
-    from zenflow.passes.column_split import split_columns
-    from zenflow.passes.locate_grads import locate_param_grads
+    from zenflow.compile.passes.column_split import split_columns
+    from zenflow.compile.passes.locate_grads import locate_param_grads
 
     sites = locate_param_grads(gm.graph, slot_of_input)
     if not sites:
@@ -55,7 +55,7 @@ def _compile(gm, example_inputs, slot_of_input: dict[int, int], inner: str, on_b
 
         # The graphs call zenflow's ops; a cache hit brings them back without the passes, which
         # would have registered them.
-        import zenflow.ops  # noqa: F401
+        import zenflow.compile.ops  # noqa: F401
 
         def inner_compile(graph_module, inputs, *args, **kwargs):
             if kwargs.get("is_backward"):
@@ -100,8 +100,8 @@ def _cache_keyed_on_the_rewrite(slot_of_input: dict[int, int], on_backward):
 
 
 @functools.cache
-def rewrite_digest(root: Path = _PACKAGE) -> str:
-    """A digest of the code under ``root`` (zenflow's package) that rewrites backward graphs."""
+def rewrite_digest(root: Path = _COMPILER) -> str:
+    """A digest of the code under ``root`` (the compiler package) that rewrites backward graphs."""
     digest = hashlib.sha256()
     for name in _REWRITE_SOURCES:
         path = root / name

@@ -1,0 +1,71 @@
+"""One weight's AdamW state, per column: fp32 master value, first and second moments, and the
+column's own step count (bias correction is per column).
+
+Host rows: every column of this rank's block, in its local order (``zenflow.runtime.layout``;
+the selected columns' rows are stale while their state is on the device), pinned on a GPU
+machine. Device rows: the selected columns, in device row order, on the weight's device (on the
+host with ``offload``). A reselection moves the rows of the columns that change side and never
+resets them.
+"""
+
+import torch
+
+from zenflow.columns import column_rows
+from zenflow.runtime.comm import DataParallel
+from zenflow.runtime.layout import ColumnLayout, Migration
+from zenflow.runtime.migration import move_rows
+
+
+class ColumnState:
+    """Owns the host rows (``host_master``, ``host_exp_avg``, ``host_exp_avg_sq``: ``[block
+    rows, out]`` fp32; ``host_steps``: ``[block rows]`` int64) and the device rows
+    (``device_*``: ``[k, out]`` fp32 and ``[k]`` int64 on ``device``)."""
+
+    def __init__(self, param: torch.Tensor, layout: ColumnLayout, device: torch.device, pin: bool):
+        self.device = device
+        self.pin = pin
+        out = param.shape[0]
+        rows = layout.block_rows
+        self.host_master = torch.empty(rows, out, pin_memory=pin)
+        self.host_master.copy_(column_rows(param.detach())[layout.lo : layout.hi])
+        self.host_exp_avg = torch.zeros(rows, out, pin_memory=pin)
+        self.host_exp_avg_sq = torch.zeros(rows, out, pin_memory=pin)
+        self.host_steps = torch.zeros(rows, dtype=torch.int64)
+        self.device_master = torch.empty(0, out, device=device)
+        self.device_exp_avg = torch.empty(0, out, device=device)
+        self.device_exp_avg_sq = torch.empty(0, out, device=device)
+        self.device_steps = torch.empty(0, dtype=torch.int64, device=device)
+
+    def host(self) -> list[torch.Tensor]:
+        return [self.host_master, self.host_exp_avg, self.host_exp_avg_sq, self.host_steps]
+
+    def device_rows(self) -> list[torch.Tensor]:
+        return [self.device_master, self.device_exp_avg, self.device_exp_avg_sq, self.device_steps]
+
+    def unselected(self, layout: ColumnLayout) -> list[torch.Tensor]:
+        """Views of the host rows of this rank's unselected columns (what a CPU update
+        steps)."""
+        return [t[layout.k_local :] for t in self.host()]
+
+    def migrate(self, migration: Migration, comm: DataParallel) -> tuple[int, int]:
+        """Move the changing columns' rows; returns the bytes this rank moved (to the host,
+        to the device)."""
+        pairs = list(zip(self.host(), self.device_rows(), strict=True))
+        device, to_host, to_device = move_rows(migration, pairs, comm, self.pin)
+        self.device_master, self.device_exp_avg, self.device_exp_avg_sq, self.device_steps = device
+        return to_host, to_device
+
+    def load(self, host: list[torch.Tensor], device: list[torch.Tensor]) -> None:
+        """Adopt saved rows (copies: the saved tensors stay the caller's)."""
+        master, exp_avg, exp_avg_sq, steps = host
+        self.host_master = _on_host(master, self.pin)
+        self.host_exp_avg = _on_host(exp_avg, self.pin)
+        self.host_exp_avg_sq = _on_host(exp_avg_sq, self.pin)
+        self.host_steps = steps.to("cpu", copy=True)
+        moved = [t.to(self.device, copy=True) for t in device]
+        self.device_master, self.device_exp_avg, self.device_exp_avg_sq, self.device_steps = moved
+
+
+def _on_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+    return copy.copy_(tensor)

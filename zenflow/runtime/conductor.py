@@ -1,0 +1,523 @@
+"""The runtime of one ZenFlowAdamW: what happens in a step, and in which order.
+
+A step (``step``): the staged gradients are finished (reduced over ranks) and their global
+norm taken; a non-finite norm commits nothing. Then, by the schedule
+(``zenflow.runtime.schedule``): a selecting step moves the columns that change side; the
+selected columns and the 1-D parameters take their AdamW step on the device (one call per
+param group and device), and their new values are written into the parameters; the unselected
+columns' rows join each weight's window (or, in warm-up, every column takes a CPU step now);
+and a window that closes gets its CPU update, in the background with ``overlap_step`` (applied
+at the next boundary), synchronously at a select boundary. The exact semantics:
+docs/algorithm.md.
+"""
+
+import contextlib
+import math
+
+import torch
+
+from zenflow.columns import has_columns, select_top_columns, topk_count
+from zenflow.runtime import auto_interval, cpu_adam, schedule
+from zenflow.runtime.comm import CollectiveError, DataParallel
+from zenflow.runtime.cpu_jobs import SUMS_QUEUED, CPUJobs
+from zenflow.runtime.nonfinite import clip_coefficient
+from zenflow.runtime.owned_weight import OwnedWeight
+from zenflow.runtime.pending_update import PendingUpdate, UpdateEntry
+from zenflow.runtime.selective_step import compiled_selective_adamw, step_backend_for
+from zenflow.runtime.staging.contributions import DeviceRows, Factors, HostRows, as_tensor
+from zenflow.runtime.vector_state import VectorState
+from zenflow.settings import ZenFlowSettings, resolve_select_interval
+
+
+def _traced(name: str):
+    """Run the method inside a ``torch.profiler`` range ``name``: a trace of training shows
+    where zenflow's step spends its time (about 5 us per call without a profiler)."""
+
+    def wrap(method):
+        def traced(*args, **kwargs):
+            with torch.profiler.record_function(name):
+                return method(*args, **kwargs)
+
+        traced.__name__, traced.__doc__ = method.__name__, method.__doc__
+        return traced
+
+    return wrap
+
+
+class Conductor:
+    """Owns the weights (``weights``: ``OwnedWeight``) and 1-D parameters (``vectors``) of
+    one optimizer's param groups, the schedule's progress (``committed_steps``,
+    ``window_steps``, the "auto" rule's state), the CPU updates in flight (``pending``), the
+    pool settings and queued sums (``jobs``), the counters behind ``stats()``, and the
+    failure that stops it (``failure``: set when a CPU job or a collective failed, which left
+    host state undefined)."""
+
+    def __init__(
+        self,
+        param_groups: list[dict],
+        settings: ZenFlowSettings,
+        *,
+        max_grad_norm: float | None,
+        step_backend: str,
+        nonfinite: str,
+        comm: DataParallel,
+    ):
+        self.param_groups = param_groups  # the optimizer's: LR schedules change their "lr"
+        self.settings = settings
+        self.max_grad_norm = max_grad_norm
+        self.nonfinite = nonfinite
+        self.comm = comm
+        self.schedule = schedule.Schedule(
+            warm_up_rounds=settings.full_warm_up_rounds,
+            select_interval=resolve_select_interval(
+                settings.select_strategy,
+                settings.select_interval,
+                settings.update_interval,
+                settings.steps_per_epoch,
+            ),
+            update_interval=None
+            if settings.update_interval == "auto"
+            else settings.update_interval,
+            selects=settings.topk_ratio > 0,
+        )
+        self.auto = None
+        if settings.update_interval == "auto":
+            self.auto = auto_interval.AutoUpdateInterval(
+                settings.auto_ratio,
+                min_interval=settings.min_update_interval,
+                max_interval=settings.max_update_interval,
+            )
+        self.counters = dict(
+            skipped_steps=0,
+            reselections=0,
+            cpu_updates=0,
+            d2h_bytes=0,
+            h2d_bytes=0,
+            optimizer_wait_s=0.0,
+            cpu_adam_s=0.0,
+            cpu_accumulate_s=0.0,
+        )
+        self.jobs = CPUJobs(settings.pt_reserved_cores_perc, self.counters)
+        self.weights: list[OwnedWeight] = []
+        self.vectors: list[VectorState] = []
+        for group_index, group in enumerate(param_groups):
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                if has_columns(p):
+                    self.weights.append(
+                        OwnedWeight(
+                            p,
+                            group_index,
+                            comm,
+                            offload=settings.offload,
+                            device_sums=settings.accumulate_on_device,
+                        )
+                    )
+                else:
+                    self.vectors.append(VectorState.of(p, group_index))
+        self.step_backend = step_backend
+        self.committed_steps = 0
+        self.window_steps = 0
+        self.last_step_skipped = False
+        self.pending: list[PendingUpdate] = []
+        self.failure: BaseException | None = None
+        self.clip_next_step: float | None = None
+        self._norm_sq: float | None = None
+        self._scores: dict[OwnedWeight, torch.Tensor] = {}
+
+    @property
+    def step_backend(self) -> str:
+        return self._step_backend
+
+    @step_backend.setter
+    def step_backend(self, requested: str) -> None:
+        trained = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        device = trained[0].device if trained else torch.device("cpu")
+        self._step_backend = step_backend_for(requested, device)
+        self._device_step = compiled_selective_adamw(self._step_backend)
+
+    @contextlib.contextmanager
+    def failing_for_good(self):
+        """A failed CPU job or collective leaves host state undefined: remember it, so that
+        nothing steps, flushes or saves until a checkpoint is loaded."""
+        try:
+            yield
+        except (cpu_adam.CPUAdamError, CollectiveError) as error:
+            self.failure = error
+            raise
+
+    def check_usable(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(
+                f"ZenFlowAdamW cannot continue: an earlier step failed ({self.failure}), which "
+                "left its host state undefined; reload from a checkpoint (load_state_dict, or "
+                "engine.load_checkpoint) before stepping, flushing or saving again"
+            ) from self.failure
+
+    # Gradients.
+
+    def _collect_eager_grads(self) -> None:
+        for w in self.weights:
+            if w.param.grad is not None:
+                w.stage_grad(w.param.grad)
+                w.param.grad = None
+
+    @_traced("zenflow::gradient_norm")
+    def staged_norm_sq(self) -> float:
+        """Squared global norm of this step's gradient (non-finite on overflow); computed
+        once per step."""
+        if self._norm_sq is None:
+            self._collect_eager_grads()
+            # Summed where the parts are (each device's, then the host's): one transfer per
+            # device and step, not one per weight.
+            totals: dict[torch.device, torch.Tensor] = {}
+
+            def add(part: torch.Tensor) -> None:
+                totals[part.device] = part + totals[part.device] if part.device in totals else part
+
+            self._scores = {}
+            for w in self.weights:
+                if w.staging.staged:
+                    w.staging.finish()
+                    add(w.staging.norm_sq())
+            for v in self.vectors:
+                if v.param.grad is not None:
+                    self.comm.all_reduce_mean_(v.param.grad)
+                    add(torch.linalg.vector_norm(v.param.grad, dtype=torch.float64) ** 2)
+            self._norm_sq = sum(total.item() for total in totals.values())
+        return self._norm_sq
+
+    def discard_staged(self) -> None:
+        for w in self.weights:
+            w.staging.discard()
+        self._norm_sq = None
+
+    def column_scores(self, w: OwnedWeight) -> torch.Tensor:
+        """This step's importance of each of ``w``'s columns (natural order), computed once
+        and only when a selection or the "auto" rule asks for it."""
+        if w not in self._scores:
+            self._scores[w] = w.staging.scores()
+        return self._scores[w]
+
+    # The step.
+
+    @_traced("zenflow::step")
+    def step(self, grad_divisor: float) -> None:
+        # Blocks of finished sums go back for the next backward; a pool lagging further behind
+        # holds the training thread here rather than pin another block per weight and step.
+        self.jobs.finish_sums(keep=SUMS_QUEUED)
+        norm_sq = self.staged_norm_sq()
+        max_norm = self.clip_next_step or self.max_grad_norm
+        self.clip_next_step = None
+        self._norm_sq = None
+        weights = [w for w in self.weights if w.staging.staged]
+        vectors = [v for v in self.vectors if v.param.grad is not None]
+        if not weights and not vectors:
+            raise RuntimeError(
+                "ZenFlowAdamW.step() without gradients: no parameter it owns got one since the "
+                "last step; call loss.backward() before step() (if the model's parameters were "
+                "replaced after the optimizer was created, create the optimizer again)"
+            )
+        try:
+            coefficient = clip_coefficient(
+                norm_sq, grad_divisor, max_norm, self.nonfinite, self.committed_steps + 1
+            )
+        finally:
+            self.last_step_skipped = not math.isfinite(norm_sq)
+            if self.last_step_skipped:
+                for w in weights:
+                    w.staging.discard()
+        if self.last_step_skipped:
+            self.counters["skipped_steps"] += 1
+            return
+        kind = schedule.step_kind(self.schedule, self.committed_steps)
+        if kind.select:
+            self._reselect(weights)
+        self._device_commit(weights, vectors, coefficient)
+        auto_fired = False
+        if kind.warm_up:
+            self._full_host_update(weights, coefficient)
+        else:
+            fold_last = kind.update_boundary and self.auto is None and coefficient == 1.0
+            self._accumulate(weights, coefficient, fold_last)
+            if self.auto is not None:
+                auto_fired = self._auto_window_full(weights, coefficient)
+        for w in weights:
+            self.counters["d2h_bytes"] += w.staging.staged_bytes
+            w.staging.discard()
+        self.committed_steps += 1
+        if not kind.warm_up:
+            self.window_steps += 1
+            if schedule.closes_window(kind, auto_fired):
+                self.close_window(kind.select_boundary)
+
+    def _hyper(self, group_index: int) -> dict:
+        group = self.param_groups[group_index]
+        beta1, beta2 = group["betas"]
+        return dict(
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+        )
+
+    def by_group(self, weights: list[OwnedWeight]):
+        for group_index in range(len(self.param_groups)):
+            members = [w for w in weights if w.group_index == group_index]
+            if members:
+                yield group_index, members
+
+    @_traced("zenflow::reselect")
+    def _reselect(self, weights: list[OwnedWeight]) -> None:
+        for w in weights:
+            k = topk_count(self.settings.topk_ratio, w.columns)
+            to_host, to_device = w.reselect(select_top_columns(self.column_scores(w), k))
+            self.counters["d2h_bytes"] += to_host
+            self.counters["h2d_bytes"] += to_device
+        self.counters["reselections"] += 1
+
+    @_traced("zenflow::device_update")
+    def _device_commit(self, weights, vectors, coefficient: float) -> None:
+        """The selected rows and the 1-D parameters: one AdamW call per param group and
+        device (with ``offload`` the selected rows are updated on the host)."""
+        calls = {}
+        for w in weights:
+            if w.layout.k > 0:
+                calls.setdefault((w.group_index, w.state.device), ([], []))[0].append(w)
+        for v in vectors:
+            calls.setdefault((v.group_index, v.param.device), ([], []))[1].append(v)
+        for (group_index, device), (rows, vecs) in calls.items():
+            hyper = self._hyper(group_index)
+            self._device_step(
+                [w.state.device_master for w in rows] + [v.master for v in vecs],
+                [w.state.device_exp_avg for w in rows] + [v.exp_avg for v in vecs],
+                [w.state.device_exp_avg_sq for w in rows] + [v.exp_avg_sq for v in vecs],
+                [w.state.device_steps for w in rows] + [v.steps for v in vecs],
+                [w.staging.selected_rows() for w in rows]
+                + [v.param.grad.float().reshape(1, -1) for v in vecs],
+                torch.tensor(hyper["lr"], dtype=torch.float64, device=device),
+                torch.tensor(coefficient, dtype=torch.float64, device=device),
+                hyper["beta1"],
+                hyper["beta2"],
+                hyper["eps"],
+                hyper["weight_decay"],
+                [None] * len(rows) + [v.param.data.view(1, -1) for v in vecs],
+            )
+            with torch.profiler.record_function("zenflow::write_selected"):
+                for w in rows:
+                    self.counters["h2d_bytes"] += w.write_selected()
+
+    @_traced("zenflow::cpu_update")
+    def _full_host_update(self, weights: list[OwnedWeight], coefficient: float) -> None:
+        """Warm-up: every column of every weight takes a CPU AdamW step now (k is 0)."""
+        with self.jobs.every_core():
+            for group_index, group_weights in self.by_group(weights):
+                handed = [w.staging.hand_over() for w in group_weights]
+                for w in group_weights:
+                    w.state.host_steps += 1
+                handle = cpu_adam.submit_adamw_step(
+                    [w.state.host_master for w in group_weights],
+                    [_pool_rows(c) for c in handed],
+                    [w.state.host_exp_avg for w in group_weights],
+                    [w.state.host_exp_avg_sq for w in group_weights],
+                    steps=[w.state.host_steps for w in group_weights],
+                    segment_len=[w.out for w in group_weights],
+                    grad_scale=coefficient,
+                    **self._hyper(group_index),
+                )
+                self.jobs.collect(handle, "cpu_adam_s")
+                _release(handed)
+                with torch.profiler.record_function("zenflow::write_unselected"):
+                    for w in group_weights:
+                        self.counters["h2d_bytes"] += UpdateEntry.of(w, None, None, None).write()
+        self.counters["cpu_updates"] += bool(weights)
+
+    @_traced("zenflow::window_sums")
+    def _accumulate(self, weights: list[OwnedWeight], coefficient: float, fold_last: bool):
+        """Add this step's unselected rows to the windows' sums. At a fixed window's last step
+        with no clipping the CPU update folds the addition into its own pass instead. Host
+        rows are added by the CPU pool, behind the update still running there, while the
+        training thread goes on ("auto" reads the sums' norms every step: it adds them
+        itself)."""
+        sums, rows, releases = [], [], []
+        for w in weights:
+            handed = w.staging.hand_over()
+            if isinstance(handed, Factors) and self.auto is None:
+                w.window.defer(handed, coefficient)
+            elif isinstance(handed, HostRows) and fold_last:
+                w.window.keep_last(handed, _window_rows(w), w.out)
+            elif isinstance(handed, HostRows) and self.auto is None:
+                window_sum, staged = w.window.add_on_pool(handed, _window_rows(w), w.out)
+                sums.append(window_sum)
+                rows.append(staged)
+                if handed.release is not None:
+                    releases.append(handed.release)
+            else:
+                w.window.add_now(handed, coefficient, w.out)
+        if sums:
+            self.jobs.queue_sums(sums, rows, releases, coefficient)
+
+    def _auto_window_full(self, weights: list[OwnedWeight], coefficient: float) -> bool:
+        """update_interval "auto": this step's selected energy against the energy of the
+        accumulated unselected sum (its squared norm, summed over ranks)."""
+        energies = torch.stack([w.window.energy().cpu() for w in weights])
+        piled = self.comm.all_reduce_sum_(energies).tolist()
+        observed = {}
+        for w, unselected in zip(weights, piled, strict=True):
+            scores = self.column_scores(w)
+            selected = float(scores[w.layout.device_columns].sum()) * coefficient**2
+            observed[self.weights.index(w)] = (selected, unselected, w.layout.k, w.columns)
+        return self.auto.observe(observed)
+
+    # Windows and their CPU updates.
+
+    @_traced("zenflow::cpu_update")
+    def close_window(self, select_boundary: bool, force_sync: bool = False) -> None:
+        """The CPU update of the unselected columns from the window's mean gradient."""
+        weights = [w for w in self.weights if w.window.open]
+        background = self.settings.overlap_step and not (select_boundary or force_sync)
+        if not background:
+            self.jobs.finish_sums()
+        # A synchronous update writes its weights' columns to the parameters right after the
+        # pending one would have: the pending result is not written for those.
+        self.apply_pending(rewritten=() if background else weights)
+        with contextlib.nullcontext() if background else self.jobs.every_core():
+            for group_index, group_weights in self.by_group(weights):
+                update = self._submit(group_index, group_weights, background)
+                if background:
+                    self.pending.append(update)
+                else:
+                    self._apply(update)
+        self.counters["cpu_updates"] += bool(weights)
+        self.window_steps = 0
+        if self.auto is not None:
+            self.auto.reset()
+
+    def _submit(self, group_index: int, weights: list[OwnedWeight], background: bool):
+        hyper = self._hyper(group_index)
+        hyper["lr"] *= schedule.lr_scale(self.schedule, self.window_steps)
+        entries, sums, lasts = [], [], []
+        for w in weights:
+            w.state.host_steps[w.layout.k_local :] += 1
+            # A 16-bit model's new values are rounded by the job itself, in the same pass, so
+            # that writing them back converts nothing on the training thread.
+            rounded = w.new_rounded_rows()
+            if w.device_sums:
+                shipped = w.window.ship(w.param.dtype)
+                self.counters["d2h_bytes"] += shipped.numel() * shipped.element_size()
+                sums.append(shipped)
+                entries.append(UpdateEntry.of(w, rounded, None, None))
+            else:
+                # The job reads (then zeroes) this window's sum while the next window fills
+                # the other buffer.
+                window_sum, last = w.window.take(background)
+                sums.append(window_sum)
+                lasts.append(None if last is None else last.rows)
+                entries.append(UpdateEntry.of(w, rounded, window_sum, last))
+        unselected = [w.state.unselected(w.layout) for w in weights]
+        common = dict(
+            steps=[state[3] for state in unselected],
+            segment_len=[w.out for w in weights],
+            out16=[entry.rows if entry.rounded else None for entry in entries],
+            **hyper,
+        )
+        masters = [state[0] for state in unselected]
+        exp_avgs = [state[1] for state in unselected]
+        exp_avg_sqs = [state[2] for state in unselected]
+        if weights[0].device_sums:
+            handle = cpu_adam.submit_adamw_step(
+                masters, sums, exp_avgs, exp_avg_sqs, grad_scale=1.0 / self.window_steps, **common
+            )
+        else:
+            handle = cpu_adam.submit_boundary_adamw_step(
+                masters, sums, lasts, exp_avgs, exp_avg_sqs, n=self.window_steps, **common
+            )
+        return PendingUpdate(handle, entries)
+
+    @_traced("zenflow::write_back")
+    def _apply(self, update: PendingUpdate, rewritten=()) -> None:
+        """Wait for ``update`` and write its result to the parameters, except for the weights
+        in ``rewritten`` (a synchronous update is about to write them again)."""
+        if update.handle is not None:
+            self.jobs.collect(update.handle, "cpu_adam_s")
+        skipped = {id(w) for w in rewritten}
+        with torch.profiler.record_function("zenflow::write_unselected"):
+            for entry in update.entries:
+                entry.release()
+                if id(entry.weight) not in skipped:
+                    self.counters["h2d_bytes"] += entry.write()
+
+    def apply_pending(self, rewritten=()) -> None:
+        for update in self.pending:
+            self._apply(update, rewritten)
+        self.pending = []
+
+    def flush(self) -> None:
+        """Apply everything pending: an overlapped CPU update and the open window's sum."""
+        if self.window_steps:
+            self.close_window(select_boundary=False, force_sync=True)
+        self.apply_pending()
+        self.jobs.finish_sums()
+
+    def wait_for_jobs(self) -> None:
+        """Let every job end without applying anything (a state dict taken between steps)."""
+        self.jobs.finish_sums()
+        for update in self.pending:
+            if update.handle is not None:
+                self.jobs.wait(update.handle)
+
+    def abandon_jobs(self) -> None:
+        """After a failure: let running jobs end without raising (their results are undefined
+        and state loaded next replaces everything they touched)."""
+        for update in self.pending:
+            if update.handle is not None:
+                with contextlib.suppress(cpu_adam.CPUAdamError):
+                    update.handle.wait()
+        self.jobs.abandon_sums()
+        self.pending = []
+
+    # Inspection.
+
+    def stats(self) -> dict:
+        selected = sum(w.layout.k * w.out for w in self.weights)
+        total = sum(w.columns * w.out for w in self.weights)
+        return dict(
+            steps=self.committed_steps,
+            selected_fraction=selected / total if total else 0.0,
+            window_steps=self.window_steps,
+            updates_in_flight=len(self.pending),
+            host_columns=sum(w.layout.block_rows for w in self.weights),
+            **self.counters,
+        )
+
+    def check_params_unchanged(self) -> None:
+        for w in self.weights:
+            w.check_unchanged()
+        for v in self.vectors:
+            if v.param.numel() != v.master.numel():
+                raise RuntimeError(
+                    f"a parameter owned by ZenFlowAdamW changed shape to {list(v.param.shape)} "
+                    f"after the optimizer was created (it had {v.master.numel()} elements); "
+                    "create the optimizer after the last change to the model"
+                )
+
+
+def _window_rows(w: OwnedWeight) -> int:
+    """Rows of ``w``'s window: this rank's unselected columns."""
+    return w.layout.host_columns.numel()
+
+
+def _pool_rows(contribution):
+    """A contribution's rows as the CPU pool reads them (host rows as they are)."""
+    if isinstance(contribution, HostRows):
+        return contribution.rows
+    rows = as_tensor(contribution)
+    return rows.cpu() if isinstance(contribution, DeviceRows) else rows
+
+
+def _release(contributions) -> None:
+    for contribution in contributions:
+        if isinstance(contribution, HostRows) and contribution.release is not None:
+            contribution.release()

@@ -1,0 +1,180 @@
+"""One weight a ZenFlow optimizer owns, put together from its parts.
+
+The parts: where its columns are kept (``layout``), their AdamW state (``state``), the step's
+gradient on its way (``staging``, one strategy chosen here for the weight's life) and the open
+window (``window``). The ops the backend compiles into backward reach the weight by its
+registry slot and hand the gradient to its staging. The parameter itself keeps PyTorch's
+layout; updated values are written into its columns (``zenflow.runtime.param_writes``).
+"""
+
+import torch
+
+from zenflow.columns import column_count, column_rows
+from zenflow.runtime import registry
+from zenflow.runtime.column_state import ColumnState
+from zenflow.runtime.comm import DataParallel
+from zenflow.runtime.layout import ColumnLayout
+from zenflow.runtime.param_writes import write_columns
+from zenflow.runtime.staging import staging_for
+from zenflow.runtime.streams import PendingCopy, copy_stream
+from zenflow.runtime.window_sum import WindowSum
+
+
+class OwnedWeight:
+    """Owns the parts above, the pinned buffers its values cross to the device through, and
+    its registry slot. ``offload``: the selected columns' state lives on the host, and is
+    updated there; ``device_sums``: the window's sum is kept on the weight's device."""
+
+    def __init__(
+        self,
+        param: torch.Tensor,
+        group_index: int,
+        comm: DataParallel,
+        *,
+        offload: bool,
+        device_sums: bool,
+    ):
+        self.param = param
+        self.group_index = group_index
+        self.comm = comm
+        self.out = param.shape[0]
+        self.columns = column_count(param.shape)
+        self.offload = offload
+        self.device_sums = device_sums
+        self.pin = param.device.type == "cuda"
+        blocks = [comm.block(self.columns, r) for r in range(comm.world_size)]
+        self.layout = ColumnLayout.natural(self.columns, comm.rank, blocks)
+        self.staging = staging_for(
+            param,
+            self.layout,
+            comm,
+            pin=self.pin,
+            offload=offload,
+            accumulate_on_device=device_sums,
+        )
+        state_device = torch.device("cpu") if offload else param.device
+        self.state = ColumnState(param, self.layout, state_device, self.pin)
+        self.window = WindowSum(param.device if device_sums else torch.device("cpu"))
+        # purpose -> (pinned buffer, its transfer to the device in flight), on a GPU.
+        self._to_device_buffers: dict[str, tuple[torch.Tensor, PendingCopy | None]] = {}
+        self.slot = registry.register(param, self)
+
+    # The runtime side of zenflow.compile.ops: called from compiled backward graphs.
+
+    def stage_matmul(self, columns_by_batch, out_grad, lookup=None) -> None:
+        self.staging.stage_matmul(columns_by_batch, out_grad, lookup)
+
+    def stage_lookup(self, lookup_rows: torch.Tensor, lookup_ids: torch.Tensor) -> None:
+        self.staging.stage_lookup(lookup_rows, lookup_ids)
+
+    def stage_columns(self, columns_by_out: torch.Tensor) -> None:
+        self.staging.stage_columns(columns_by_out)
+
+    def stage_grad(self, grad: torch.Tensor) -> None:
+        """A gradient that arrived in ``.grad`` (a model that is not compiled)."""
+        self.staging.stage_columns(column_rows(grad))
+
+    # Selection.
+
+    def reselect(self, selected: torch.Tensor) -> tuple[int, int]:
+        """Adopt a new selection (ascending column indices): state and staged rows move for
+        the columns that change side. Returns the bytes this rank moved (to the host, to the
+        device)."""
+        migration = self.layout.reselect(selected)
+        to_host, to_device = self.state.migrate(migration, self.comm)
+        staged_to_host, staged_to_device = self.staging.migrate(migration)
+        self.layout = migration.layout
+        return to_host + staged_to_host, to_device + staged_to_device
+
+    def adopt(self, layout: ColumnLayout) -> None:
+        """A saved layout, with the state loaded beside it."""
+        self.layout = layout
+        self.staging.adopt(layout)
+
+    # Writing updated values into the parameter the model computes with.
+
+    def write_selected(self) -> int:
+        """Write the selected columns' new values into the parameter; returns the bytes that
+        crossed to the device: with ``offload`` the values are sent from the host (counted
+        even where the device is the CPU, like every count), else none."""
+        columns = self.layout.on(self.param.device, "selected")
+        if not self.offload:
+            write_columns(self.param, columns, self.state.device_master.to(self.param.dtype))
+            return 0
+        values = self._to_device(self.state.device_master, "selected")
+        write_columns(self.param, columns, values)
+        return values.numel() * values.element_size()
+
+    def new_rounded_rows(self) -> torch.Tensor | None:
+        """A buffer for this rank's unselected rows in the parameter's 16-bit dtype, for a CPU
+        update to round its results into (pinned on a GPU machine: it is sent from there);
+        None for an fp32 parameter."""
+        if self.param.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        rows = self.layout.host_columns.numel()
+        return torch.empty(rows, self.out, dtype=self.param.dtype, pin_memory=self.pin)
+
+    def write_rows(
+        self, mine: torch.Tensor, rounded: bool, columns: torch.Tensor, counts: list[int]
+    ) -> int:
+        """Write every rank's updated rows into the parameter's ``columns`` (on its device, in
+        the order of the ranks' rows, ``counts[r]`` rows from rank ``r``); ``mine``: this
+        rank's rows, in the parameter's dtype when ``rounded`` (a CPU update rounded them),
+        else fp32 host master rows, converted here. Returns the bytes this rank sent to its
+        device."""
+        # Each rank sends its own rows to its device and the ranks gather them there (over
+        # NVLink, with NCCL), rather than gathering on the host and each sending them all.
+        if rounded:
+            on_device, _ = copy_stream(self.param.device).copy_to_device(mine)
+        else:
+            on_device = self._to_device(mine, "unselected")
+        rows = self.comm.all_gather_rows(on_device, counts)
+        write_columns(self.param, columns, rows)
+        return on_device.numel() * on_device.element_size()
+
+    def _to_device(self, rows: torch.Tensor, purpose: str) -> torch.Tensor:
+        """Host ``rows`` in the parameter's dtype, on its device, for work queued on the
+        current stream. On a GPU they go through a pinned buffer kept for ``purpose``
+        (converted there: the host master itself is rewritten by the next overlapped CPU update
+        as soon as this returns) and the copy stream, so the host thread does not wait for
+        the transfer."""
+        on_host = self.param.device.type == "cpu"
+        if on_host:
+            staged = rows.to(self.param.dtype)  # the device is the host: nothing to keep
+        else:
+            buffer, previous = self._to_device_buffers.get(purpose, (None, None))
+            if previous is not None:
+                previous.wait()  # the last transfer from this buffer (a window or a step ago)
+            if buffer is None or buffer.shape[0] < rows.shape[0]:
+                rows_kept = max(rows.shape[0], self.layout.block_rows)  # k may exceed a block
+                buffer = torch.empty(rows_kept, self.out, dtype=self.param.dtype, pin_memory=True)
+            staged = buffer[: rows.shape[0]].copy_(rows)
+        on_device, pending = copy_stream(self.param.device).copy_to_device(staged)
+        if not on_host:
+            self._to_device_buffers[purpose] = (buffer, pending)
+        return on_device
+
+    # For export and inspection.
+
+    def fp32_value(self) -> torch.Tensor:
+        """The parameter's fp32 master value, shaped like it, on the host (collective: every
+        rank contributes the host rows it owns)."""
+        layout, state = self.layout, self.state
+        unselected = self.comm.all_gather_rows(
+            state.host_master[layout.k_local :], layout.unselected_counts
+        )
+        rows = torch.cat([state.device_master.cpu(), unselected])  # in layout.order()
+        in_natural_order = torch.empty_like(rows)
+        in_natural_order[layout.order()] = rows
+        return in_natural_order.t().reshape(self.param.shape).contiguous()
+
+    def check_unchanged(self) -> None:
+        # A parameter resized or re-typed in place (p.data = ...) after the optimizer took its
+        # state would otherwise be written with state of the old shape.
+        if self.param.shape[0] != self.out or column_count(self.param.shape) != self.columns:
+            raise RuntimeError(
+                f"a weight owned by ZenFlowAdamW changed shape to {list(self.param.shape)} "
+                f"after the optimizer was created (it had {self.out} rows and {self.columns} "
+                "columns); changing the model after creating the optimizer is not "
+                "supported: create the optimizer (and compile) after the last change"
+            )

@@ -1,0 +1,45 @@
+"""Staging for device-side window sums (``accumulate_on_device``, one rank).
+
+The unselected rows stay on the weight's device in fp32 (summed over micro-batches) and are
+added into the window's sum there; only each window's sum crosses to the host. A sum over ranks
+would need its own reduction, so this strategy takes one rank.
+"""
+
+import torch
+
+from zenflow.runtime.staging.contributions import DeviceRows
+from zenflow.runtime.staging.ordered import OrderedStaging
+
+
+class DeviceSumStaging(OrderedStaging):
+    """Owns the step's unselected rows on the device (fp32, host row order)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._unselected: torch.Tensor | None = None
+
+    def stage_unselected(self, unselected: torch.Tensor, first: bool) -> None:
+        if first:
+            self._unselected = unselected.to(torch.float32, copy=True)
+        else:
+            self._unselected += unselected
+
+    def host_rows(self) -> torch.Tensor:
+        return self._unselected
+
+    def staged_host_block(self) -> torch.Tensor:
+        k_local = self.layout.k_local
+        block = self._unselected.new_empty(self.layout.block_rows, self.out)
+        block[k_local:] = self._unselected
+        return block
+
+    def keep_host_block(self, block: torch.Tensor, k_local: int) -> None:
+        self._unselected = block[k_local:]
+
+    def hand_over(self) -> DeviceRows:
+        rows, self._unselected = self._unselected, None
+        return DeviceRows(rows)
+
+    def discard(self) -> None:
+        self._unselected = None
+        super().discard()

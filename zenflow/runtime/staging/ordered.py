@@ -1,0 +1,116 @@
+"""What the strategies that form a gradient's rows in the layout's order share.
+
+Where the weight is not on the host (a GPU), or the rows must be reduced over ranks, or summed
+on the device, a micro-batch's rows are formed as one tensor on the weight's device, in the
+layout's ``order`` (the selected columns first): the selected rows are kept there in fp32
+(summed over micro-batches), and each strategy sends the unselected ones on its way
+(``stage_unselected``). With one rank and one micro-batch every column's importance is taken
+next to the rows as they are formed, so the step's norm needs no wait for the host.
+
+A reselection in the middle of a step moves staged rows with their columns: the staged
+unselected rows are kept as this rank's host block in local order (``[block rows, out]``, the
+first ``k_local`` rows unused) so that the same moves as the column state's apply to them.
+"""
+
+import torch
+
+from zenflow.runtime.migration import move_rows
+from zenflow.runtime.staging.base import Staging, squared_row_norms
+
+
+class OrderedStaging(Staging):
+    """Owns the selected rows (``[k, out]`` fp32, device row order), the staged unselected
+    rows as a strategy keeps them, and the scores when staging took them."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._selected: torch.Tensor | None = None
+        self._scores_in_order: torch.Tensor | None = None  # one rank, one micro-batch
+
+    def _index(self) -> torch.Tensor | None:
+        return None if self.layout.natural_order else self.layout.on(self.device, "order")
+
+    def stage_rows(self, rows_at, dtype: torch.dtype) -> None:
+        # The caller hands ``rows`` over (formed for this alone, written by nothing else), so
+        # an asynchronous copy needs no device-side snapshot of them.
+        rows = rows_at(self._index())
+        k = self.layout.k
+        first = not self.staged
+        if first:
+            self._selected = rows[:k].to(torch.float32, copy=True)
+        else:
+            self._selected += rows[:k]
+        self.stage_unselected(rows[k:], first)
+        single = first and self.comm.world_size == 1
+        self._scores_in_order = squared_row_norms(rows) if single else None
+        self.micro_batches += 1
+
+    def stage_unselected(self, unselected: torch.Tensor, first: bool) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        self.comm.all_reduce_mean_(self._selected)
+        self._selected = self._to_state_device(self._selected)
+
+    def land(self) -> None:
+        """Rows on their way to the host: none, unless a strategy sends them."""
+
+    def host_rows(self) -> torch.Tensor:
+        """This rank's staged unselected rows in host row order (landed)."""
+        raise NotImplementedError
+
+    def _scores_from_parts(self) -> torch.Tensor:
+        """The scores in row order from the reduced parts: the selected rows' (the same on
+        every rank) and each rank's own unselected rows', summed over ranks."""
+        layout = self.layout
+        device_part = squared_row_norms(self._selected).cpu()
+        host_part = torch.zeros(layout.columns - layout.k)
+        start = sum(layout.unselected_counts[: layout.rank])
+        mine = squared_row_norms(self.host_rows())
+        host_part[start : start + mine.numel()] = mine
+        return torch.cat([device_part, self.comm.all_reduce_sum_(host_part)])
+
+    def scores(self) -> torch.Tensor:
+        if self._scores_in_order is None:
+            self.land()
+            self._scores_in_order = self._scores_from_parts()
+        # Kept as returned: the norm and the selection both ask in a select step.
+        self._scores_in_order = self._scores_in_order.float().cpu()
+        scores = torch.empty_like(self._scores_in_order)
+        scores[self.layout.order()] = self._scores_in_order
+        return scores
+
+    def norm_sq(self) -> torch.Tensor:
+        """On the device when staging took the scores there: the step sums every weight's
+        there and reads one number, not one per weight."""
+        if self._scores_in_order is None:
+            self.land()
+            self._scores_in_order = self._scores_from_parts()
+        return self._scores_in_order.double().sum()
+
+    def selected_rows(self) -> torch.Tensor:
+        return self._selected
+
+    def staged_host_block(self) -> torch.Tensor:
+        """The staged unselected rows as this rank's host block in local order (landed)."""
+        raise NotImplementedError
+
+    def keep_host_block(self, block: torch.Tensor, k_local: int) -> None:
+        """Adopt ``block`` (local order, ``k_local`` selected rows first) as the staged
+        unselected rows."""
+        raise NotImplementedError
+
+    def move_staged(self, migration) -> tuple[int, int]:
+        self.land()
+        block = self.staged_host_block()
+        pairs = [(block, self._selected)]
+        (self._selected,), to_host, to_device = move_rows(migration, pairs, self.comm, self.pin)
+        self.keep_host_block(block, migration.layout.k_local)
+        self._scores_in_order = None
+        return to_host, to_device
+
+    def discard(self) -> None:
+        self._selected = None
+        self._scores_in_order = None
+        self.micro_batches = 0
+        self.staged_bytes = 0

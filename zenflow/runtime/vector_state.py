@@ -1,0 +1,33 @@
+"""A 1-D parameter's AdamW state: fp32 on its device, updated every step."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class VectorState:
+    """Owns one 1-D parameter's fp32 master value, moments (one row each, ``[1, n]``) and step
+    count (``[1]``), beside the parameter on its device."""
+
+    param: torch.Tensor
+    group_index: int
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    steps: torch.Tensor
+
+    @classmethod
+    def of(cls, param: torch.Tensor, group_index: int) -> "VectorState":
+        master = param.detach().float().reshape(1, -1).clone()
+        steps = torch.zeros(1, dtype=torch.int64, device=param.device)
+        return cls(
+            param, group_index, master, torch.zeros_like(master), torch.zeros_like(master), steps
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.master, self.exp_avg, self.exp_avg_sq, self.steps]
+
+    def load(self, saved: list[torch.Tensor]) -> None:
+        for mine, theirs in zip(self.tensors(), saved, strict=True):
+            mine.copy_(theirs)

@@ -1,0 +1,126 @@
+"""One weight's window: the sum of its unselected columns' committed gradients since the last
+CPU update, and what that update reads.
+
+Rows are this rank's unselected columns in host row order, in fp32, on the host (on the
+weight's device with device-side sums). A step's rows (``zenflow.runtime.staging.
+contributions``) join the window in one of four ways:
+
+* ``add_on_pool``: host rows added by the CPU pool, queued behind the update that may still be
+  running there (the conductor batches every weight's into one job);
+* ``add_now``: on the training thread (update_interval "auto" reads the sum every step);
+* ``defer``: a small batch's factors kept, the window's share of their product formed in one
+  matmul when it closes (the sum is then written once per window);
+* ``keep_last``: the window's last step's host rows, which the update folds in itself.
+
+``take`` hands the window to its CPU update; with an overlapped update the next window fills a
+second buffer meanwhile (``give_back`` returns the first once the update is done with it).
+"""
+
+import torch
+
+from zenflow.runtime.cpu_adam import GatheredRows
+from zenflow.runtime.staging.contributions import Contribution, Factors, HostRows, as_tensor
+
+
+class WindowSum:
+    """Owns the window's sum and its spare buffer, the last step's rows (``last``, with their
+    block's release), the deferred factors, and whether any step joined since the last close
+    (``open``)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device  # where the sum is kept
+        self.sum: torch.Tensor | None = None
+        self._spare: torch.Tensor | None = None
+        self.last: HostRows | None = None
+        self.deferred: list[Factors] = []
+        self.open = False
+
+    def _ready(self, rows: int, out: int) -> torch.Tensor:
+        if self.sum is None or self.sum.shape != (rows, out):
+            self.sum = torch.zeros(rows, out, device=self.device)
+            self._spare = None
+        return self.sum
+
+    def add_on_pool(
+        self, contribution: HostRows, rows: int, out: int
+    ) -> tuple[torch.Tensor, torch.Tensor | GatheredRows]:
+        """The (sum, rows) pair for the pool to add; the caller gives the rows' block back
+        once the job is done."""
+        self.open = True
+        return self._ready(rows, out), contribution.rows
+
+    def add_now(self, contribution: Contribution, coefficient: float, out: int) -> None:
+        if isinstance(contribution, Factors):
+            x, dy, host_columns = contribution
+            total = self._ready(host_columns.numel(), out)
+            total.addmm_(x.index_select(1, host_columns).t(), dy, alpha=coefficient)
+        else:
+            rows = as_tensor(contribution)
+            self._ready(rows.shape[0], out).add_(rows, alpha=coefficient)
+            if isinstance(contribution, HostRows) and contribution.release is not None:
+                contribution.release()
+        self.open = True
+
+    def defer(self, factors: Factors, coefficient: float) -> None:
+        dy = factors.dy * coefficient if coefficient != 1.0 else factors.dy
+        self.deferred.append(factors._replace(dy=dy))
+        self._ready(factors.host_columns.numel(), factors.dy.shape[1])
+        self.open = True
+
+    def keep_last(self, contribution: HostRows, rows: int, out: int) -> None:
+        self._ready(rows, out)
+        self.last = contribution
+        self.open = True
+
+    def energy(self) -> torch.Tensor:
+        """The sum's squared norm, fp64 (without an fp64 copy of the sum)."""
+        return torch.linalg.vector_norm(self.sum, dtype=torch.float64).square()
+
+    def _sum_deferred(self) -> None:
+        if self.deferred:
+            xs, dys, columns = zip(*self.deferred, strict=True)
+            x = torch.cat(xs).index_select(1, columns[-1])
+            self.sum.addmm_(x.t(), torch.cat(dys))
+            self.deferred = []
+
+    def take(self, background: bool) -> tuple[torch.Tensor, HostRows | None]:
+        """The window for its CPU update: (the sum, the last step's rows or None). The update
+        zeroes the sum as it reads it; with ``background`` the next window fills the spare."""
+        self._sum_deferred()
+        taken, last = self.sum, self.last
+        self.last = None
+        self.open = False
+        if background:
+            self.sum = self._spare if self._spare is not None else torch.zeros_like(taken)
+            self._spare = None
+        return taken, last
+
+    def give_back(self, taken: torch.Tensor) -> None:
+        """An overlapped update is done with ``taken`` (zeroed): it is the next spare."""
+        if taken is not self.sum and self.sum is not None and taken.shape == self.sum.shape:
+            self._spare = taken
+
+    def ship(self, dtype: torch.dtype) -> torch.Tensor:
+        """Device-side sums: the window's sum in ``dtype`` on the host; the device sum starts
+        the next window at zero."""
+        shipped = self.sum.to("cpu", dtype, copy=True)
+        self.sum.zero_()
+        self.open = False
+        return shipped
+
+    def state_dict(self) -> dict:
+        return {
+            "accumulator": self.sum,
+            "window_factors": [(f.x, f.dy) for f in self.deferred],
+            "in_window": self.open,
+        }
+
+    def load_state_dict(self, state: dict, host_columns: torch.Tensor) -> None:
+        saved = state["accumulator"]
+        self.sum = None if saved is None else saved.to(self.device, copy=True)
+        self._spare = None
+        self.last = None
+        self.deferred = [
+            Factors(x.clone(), dy.clone(), host_columns) for x, dy in state["window_factors"]
+        ]
+        self.open = state["in_window"]
