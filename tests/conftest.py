@@ -1,10 +1,14 @@
 """Fixtures shared by test files."""
 
 import contextlib
+import os
 
 import pytest
 
 from zenflow.runtime import staging as staging_strategies
+
+# Models are built from configs: nothing may reach for the Hugging Face Hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 
 @contextlib.contextmanager

@@ -2,6 +2,9 @@
 checkpoint files, misuse. Each gets a clear exception or a documented skip, and nothing that was
 committed before is lost."""
 
+import hashlib
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +16,7 @@ from tests.models import batches, build, loss_of
 from tests.snapshots import assert_bitwise_equal, snapshot
 from zenflow.cpu_adamw import CPUAdamW
 from zenflow.optimizer import NonFiniteGradientError, ZenFlowAdamW
-from zenflow.runtime import cpu_adam
+from zenflow.runtime import checkpoint, cpu_adam
 
 # Windows close every 2 steps, in the background with overlap_step except at select boundaries.
 SETTINGS = dict(lr=1e-2, topk_ratio=0.25, update_interval=2, select_interval=8)
@@ -304,6 +307,58 @@ def test_corrupted_checkpoint_files_are_named(tmp_path):
     (tmp_path / "good" / "rank0.pt").unlink()
     with pytest.raises(RuntimeError, match="rank0.pt is missing although tag 'good'"):
         engine.load_checkpoint(tmp_path, tag="good")
+
+
+class ClientObject:
+    """A client_state entry of the user's own class (not plain data)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class _RunsCodeWhenUnpickled:
+    """What a crafted checkpoint file would hold: unpickling it creates a file."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _commit_as_is(rank_file) -> None:
+    """Record ``rank_file``'s digest in its tag's marker, as a forger who rewrote both would."""
+    marker = rank_file.parent / checkpoint.MARKER
+    committed = json.loads(marker.read_text())
+    committed["sha256"][0] = hashlib.sha256(rank_file.read_bytes()).hexdigest()
+    marker.write_text(json.dumps(committed))
+
+
+def test_a_crafted_pickle_in_a_rank_file_is_refused_without_running(tmp_path):
+    engine = engine_worker.build()
+    engine_worker.train(engine, 0, 2)
+    engine.save_checkpoint(tmp_path, tag="crafted")
+    rank_file = tmp_path / "crafted" / "rank0.pt"
+    ran = tmp_path / "code-ran"
+    state = torch.load(rank_file, weights_only=True)
+    state["client_state"] = {"payload": _RunsCodeWhenUnpickled(str(ran))}
+    torch.save(state, rank_file)
+    _commit_as_is(rank_file)
+    with pytest.raises(RuntimeError, match="objects other than tensors and plain values"):
+        engine.load_checkpoint(tmp_path, tag="crafted")
+    assert not ran.exists()
+
+
+def test_a_client_state_of_other_objects_loads_only_from_a_trusted_file(tmp_path):
+    engine = engine_worker.build()
+    engine_worker.train(engine, 0, 2)
+    engine.save_checkpoint(tmp_path, client_state={"plain": [1, 2.5, "x"]})
+    assert engine.load_checkpoint(tmp_path)[1] == {"plain": [1, 2.5, "x"]}
+    engine.save_checkpoint(tmp_path, client_state={"mine": ClientObject(7)})
+    with pytest.raises(RuntimeError, match="client_state_from_trusted_file=True"):
+        engine.load_checkpoint(tmp_path)
+    _, client_state = engine.load_checkpoint(tmp_path, client_state_from_trusted_file=True)
+    assert client_state["mine"].value == 7
 
 
 # Misuse.

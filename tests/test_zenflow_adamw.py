@@ -420,3 +420,37 @@ def test_a_step_queues_its_device_update_before_waiting_for_the_rows_copy(copy_s
         patch.setattr(PendingCopy, "wait", recorded_wait)
         opt.step()
     assert updated_at_each_wait and updated_at_each_wait[0]
+
+
+@pytest.mark.parametrize("overlap_step", [False, True])
+def test_update_interval_auto_equals_the_oracles(overlap_step, staging):
+    """The oracle decides "auto"'s windows by its own reading of the rule: the same windows
+    (CPU updates), the same values."""
+    settings = dict(
+        lr=1e-2,
+        topk_ratio=0.25,
+        update_interval="auto",
+        min_update_interval=2,
+        max_update_interval=5,
+        select_interval=12,
+        overlap_step=overlap_step,
+    )
+    data = teacher_task(36)
+    models = []
+    for make in (ZenFlowAdamW, ReferenceZenFlowAdamW):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)
+        )
+        extra = dict(step_backend="eager") if make is ZenFlowAdamW else {}
+        opt = make(model.parameters(), **settings, **extra)
+        for x, y in data:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        opt.flush()
+        models.append((model, opt))
+    (model, opt), (oracle_model, oracle) = models
+    assert opt.stats()["cpu_updates"] == oracle.cpu_updates
+    assert 36 / 5 < oracle.cpu_updates < 36 / 2  # windows of more than one length
+    assert_close(list(model.parameters()), list(oracle_model.parameters()), rtol=1e-5, atol=1e-6)

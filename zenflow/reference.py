@@ -13,11 +13,17 @@ what this file pins down is the arithmetic and the schedule of ZENFLOW.md's exac
 * A window closes after every ``update_interval``-th step (``(s + 1) % update_interval == 0``):
   unselected columns take one AdamW step on the window's mean gradient (sum / committed steps)
   with the lr of the closing step; each column counts its own steps for bias correction.
+* update_interval "auto": the window closes when at least ``auto_ratio`` of the weights with
+  both kinds of columns need an update (their accumulated unselected sum carries, per column,
+  as much squared norm as a selected column's step on average over the window), never before
+  ``min_update_interval`` steps, at the latest after ``max_update_interval``, and at every
+  select boundary; a window of n steps updates with ``lr * sqrt(n)``.
 * With ``overlap_step`` the result of window w reaches the parameters at the end of window w + 1
   (one window stale). The end of a select interval flushes everything, so a new selection always
   starts from up-to-date values.
 """
 
+import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -75,12 +81,15 @@ class ReferenceZenFlowAdamW(torch.optim.Optimizer):
         weight_decay: float = 0.01,
         *,
         topk_ratio: float = 0.1,
-        update_interval: int = 4,
+        update_interval: int | str = "auto",
         select_interval: int | str = "auto",
         select_strategy: str = "auto",
         steps_per_epoch: int | None = None,
         overlap_step: bool = False,
         full_warm_up_rounds: int = 0,
+        auto_ratio: float = 0.99,
+        min_update_interval: int | None = None,
+        max_update_interval: int = 16,
         max_grad_norm: float | None = None,
         selector: Selector | None = None,
     ):
@@ -93,6 +102,14 @@ class ReferenceZenFlowAdamW(torch.optim.Optimizer):
         )
         self.overlap_step = overlap_step
         self.full_warm_up_rounds = full_warm_up_rounds
+        self.auto_ratio = auto_ratio
+        self.max_update_interval = max_update_interval
+        if min_update_interval is None:
+            min_update_interval = min(4, max_update_interval)
+        self.min_update_interval = min_update_interval
+        # update_interval "auto": per weight, (piled energy per column, sum over the window's
+        # steps of the selected energy per column).
+        self._auto_energies: dict[torch.Tensor, tuple[float, float]] = {}
         self.max_grad_norm = max_grad_norm
         self.selector = selector or (lambda param, scores, k: select_top_columns(scores, k))
         self.committed_steps = 0
@@ -155,9 +172,36 @@ class ReferenceZenFlowAdamW(torch.optim.Optimizer):
         self.committed_steps += 1
         if not warm_up:
             self.window_steps += 1
-            if (s + 1) % self.update_interval == 0:
-                self._close_window(select_boundary=(s + 1) % self.select_interval == 0)
+            select_boundary = (s + 1) % self.select_interval == 0
+            if self.update_interval == "auto":
+                closes = self._auto_window_full(live, coefficient) or select_boundary
+            else:
+                closes = (s + 1) % self.update_interval == 0
+            if closes:
+                self._close_window(select_boundary)
         return True
+
+    def _auto_window_full(self, live, coefficient: float) -> bool:
+        considered = needing = 0
+        for _, p in live:
+            state = self._state(p)
+            if not has_columns(p):
+                continue
+            columns, k = state["column_steps"].numel(), state["selected"].numel()
+            if k in (0, columns):
+                continue
+            committed = as_matrix(p.grad).double() * coefficient
+            selected = float(committed[:, state["selected"]].square().sum()) / k
+            piled = float(state["accumulator"].double().square().sum()) / (columns - k)
+            _, selected_sum = self._auto_energies.get(p, (0.0, 0.0))
+            self._auto_energies[p] = (piled, selected_sum + selected)
+            considered += 1
+            needing += piled >= (selected_sum + selected) / self.window_steps
+        if self.window_steps >= self.max_update_interval:
+            return True
+        if self.window_steps < self.min_update_interval:
+            return False
+        return considered > 0 and needing >= self.auto_ratio * considered
 
     def _hyper(self, group: dict, lr: float | None = None) -> dict:
         beta1, beta2 = group["betas"]
@@ -236,7 +280,10 @@ class ReferenceZenFlowAdamW(torch.optim.Optimizer):
             self._apply_pending(p, state)
             unselected = self._unselected(state)
             mean = state["accumulator"][:, unselected] / self.window_steps
-            self._update_columns(group, state, unselected, mean)
+            lr = group["lr"]
+            if self.update_interval == "auto":
+                lr *= math.sqrt(self.window_steps)
+            self._update_columns(group, state, unselected, mean, lr)
             state["accumulator"].zero_()
             values = as_matrix(state["master"])[:, unselected].clone()
             state["pending"] = (unselected, values)
@@ -244,6 +291,7 @@ class ReferenceZenFlowAdamW(torch.optim.Optimizer):
                 self._apply_pending(p, state)
         self.cpu_updates += 1
         self.window_steps = 0
+        self._auto_energies = {}
         if select_boundary:
             self.flush()
 
