@@ -28,6 +28,8 @@ constexpr int64_t kChunkRows = 4 * kTile;
 // Elements of one 64-byte cache line.
 template <typename T>
 constexpr int64_t kLineElements = 64 / sizeof(T);
+// Up to this many columns a scatter's source lines for a line of matrix rows fit in L1.
+constexpr int64_t kFewColumns = 256;
 
 int usable_cores() {
 #ifdef __linux__
@@ -61,19 +63,24 @@ void gather_tiles(const T* matrix, int64_t matrix_stride, const int64_t* idx, in
 // Scatter: rows [r_begin, r_end) of the row-major matrix take their elements of the buffer's
 // rows, tile by tile, with the columns in ascending order (buffer row by_column[j] holds column
 // columns[j]) so that each matrix row is written front to back. Reading a tile's source lines
-// waits on memory (one line per buffer row, rows far apart): the next tile's are prefetched.
+// waits on memory (one line per buffer row, rows far apart): the next tile's are prefetched. A
+// few columns (a selection) go in tiles of every column and a line's worth of matrix rows: each
+// matrix row is then written in one pass, as a stream, with the source lines held in L1.
 template <typename T>
 void scatter_tiles(T* matrix, int64_t matrix_stride, const int64_t* columns,
                    const int64_t* by_column, int64_t n, const T* rows, int64_t rows_stride,
                    int64_t r_begin, int64_t r_end) {
-  for (int64_t r0 = r_begin; r0 < r_end; r0 += kTile) {
-    const int64_t r1 = std::min(r_end, r0 + kTile);
-    for (int64_t j0 = 0; j0 < n; j0 += kTile) {
-      const int64_t j1 = std::min(n, j0 + kTile);
+  const bool few = n <= kFewColumns;
+  const int64_t r_tile = few ? kLineElements<T> : kTile;
+  const int64_t j_tile = few ? n : kTile;
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += r_tile) {
+    const int64_t r1 = std::min(r_end, r0 + r_tile);
+    for (int64_t j0 = 0; j0 < n; j0 += j_tile) {
+      const int64_t j1 = std::min(n, j0 + j_tile);
       if (r1 < r_end) {
         for (int64_t j = j0; j < j1; ++j) {
           const T* next = rows + by_column[j] * rows_stride + r1;
-          for (int64_t e = 0; e < kTile; e += kLineElements<T>) __builtin_prefetch(next + e);
+          for (int64_t e = 0; e < r_tile; e += kLineElements<T>) __builtin_prefetch(next + e);
         }
       }
       for (int64_t r = r0; r < r1; ++r) {

@@ -228,7 +228,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         ``flush()`` first, so that no update is pending or running.
         """
         runtime = self._runtime
-        if runtime.pending or runtime.window_steps:
+        if runtime.updates.pending or runtime.window_steps:
             raise RuntimeError("fp32_parameters() with updates pending: call flush() first")
         values = {w.param: w.fp32_value() for w in runtime.weights}
         for v in runtime.vectors:

@@ -22,10 +22,11 @@ from zenflow.runtime.comm import CollectiveError, DataParallel
 from zenflow.runtime.cpu_jobs import SUMS_QUEUED, CPUJobs
 from zenflow.runtime.nonfinite import clip_coefficient
 from zenflow.runtime.owned_weight import OwnedWeight
-from zenflow.runtime.pending_update import PendingUpdate, UpdateEntry
+from zenflow.runtime.pending_update import UpdateEntry
 from zenflow.runtime.selective_step import compiled_selective_adamw, step_backend_for
 from zenflow.runtime.staging.contributions import DeviceRows, Factors, HostRows, as_tensor
 from zenflow.runtime.vector_state import VectorState
+from zenflow.runtime.window_updates import WindowUpdates
 from zenflow.settings import ZenFlowSettings, resolve_select_interval
 
 
@@ -47,7 +48,7 @@ def _traced(name: str):
 class Conductor:
     """Owns the weights (``weights``: ``OwnedWeight``) and 1-D parameters (``vectors``) of
     one optimizer's param groups, the schedule's progress (``committed_steps``,
-    ``window_steps``, the "auto" rule's state), the CPU updates in flight (``pending``), the
+    ``window_steps``, the "auto" rule's state), the windows' CPU updates (``updates``), the
     pool settings and queued sums (``jobs``), the counters behind ``stats()``, and the
     failure that stops it (``failure``: set when a CPU job or a collective failed, which left
     host state undefined)."""
@@ -120,7 +121,7 @@ class Conductor:
         self.committed_steps = 0
         self.window_steps = 0
         self.last_step_skipped = False
-        self.pending: list[PendingUpdate] = []
+        self.updates = WindowUpdates(self.jobs, self.counters)
         self.failure: BaseException | None = None
         self.clip_next_step: float | None = None
         self._norm_sq: float | None = None
@@ -382,101 +383,36 @@ class Conductor:
             self.jobs.finish_sums()
         # A synchronous update writes its weights' columns to the parameters right after the
         # pending one would have: the pending result is not written for those.
-        self.apply_pending(rewritten=() if background else weights)
+        self.updates.apply_pending(rewritten=() if background else weights)
         with contextlib.nullcontext() if background else self.jobs.every_core():
             for group_index, group_weights in self.by_group(weights):
-                update = self._submit(group_index, group_weights, background)
-                if background:
-                    self.pending.append(update)
-                else:
-                    self._apply(update)
+                hyper = self._hyper(group_index)
+                hyper["lr"] *= schedule.lr_scale(self.schedule, self.window_steps)
+                update = self.updates.submit(group_weights, hyper, self.window_steps, background)
+                if not background:
+                    self.updates.apply(update)
         self.counters["cpu_updates"] += bool(weights)
         self.window_steps = 0
         if self.auto is not None:
             self.auto.reset()
 
-    def _submit(self, group_index: int, weights: list[OwnedWeight], background: bool):
-        hyper = self._hyper(group_index)
-        hyper["lr"] *= schedule.lr_scale(self.schedule, self.window_steps)
-        entries, sums, lasts = [], [], []
-        for w in weights:
-            w.state.host_steps[w.layout.k_local :] += 1
-            # A 16-bit model's new values are rounded by the job itself, in the same pass, so
-            # that writing them back converts nothing on the training thread.
-            rounded = w.new_rounded_rows()
-            if w.device_sums:
-                shipped = w.window.ship(w.param.dtype)
-                self.counters["d2h_bytes"] += shipped.numel() * shipped.element_size()
-                sums.append(shipped)
-                entries.append(UpdateEntry.of(w, rounded, None, None))
-            else:
-                # The job reads (then zeroes) this window's sum while the next window fills
-                # the other buffer.
-                window_sum, last = w.window.take(background)
-                sums.append(window_sum)
-                lasts.append(None if last is None else last.rows)
-                entries.append(UpdateEntry.of(w, rounded, window_sum, last))
-        unselected = [w.state.unselected(w.layout) for w in weights]
-        common = dict(
-            steps=[state[3] for state in unselected],
-            segment_len=[w.out for w in weights],
-            out16=[entry.rows if entry.rounded else None for entry in entries],
-            **hyper,
-        )
-        masters = [state[0] for state in unselected]
-        exp_avgs = [state[1] for state in unselected]
-        exp_avg_sqs = [state[2] for state in unselected]
-        if weights[0].device_sums:
-            handle = cpu_adam.submit_adamw_step(
-                masters, sums, exp_avgs, exp_avg_sqs, grad_scale=1.0 / self.window_steps, **common
-            )
-        else:
-            handle = cpu_adam.submit_boundary_adamw_step(
-                masters, sums, lasts, exp_avgs, exp_avg_sqs, n=self.window_steps, **common
-            )
-        return PendingUpdate(handle, entries)
-
-    @_traced("zenflow::write_back")
-    def _apply(self, update: PendingUpdate, rewritten=()) -> None:
-        """Wait for ``update`` and write its result to the parameters, except for the weights
-        in ``rewritten`` (a synchronous update is about to write them again)."""
-        if update.handle is not None:
-            self.jobs.collect(update.handle, "cpu_adam_s")
-        skipped = {id(w) for w in rewritten}
-        with torch.profiler.record_function("zenflow::write_unselected"):
-            for entry in update.entries:
-                entry.release()
-                if id(entry.weight) not in skipped:
-                    self.counters["h2d_bytes"] += entry.write()
-
-    def apply_pending(self, rewritten=()) -> None:
-        for update in self.pending:
-            self._apply(update, rewritten)
-        self.pending = []
-
     def flush(self) -> None:
         """Apply everything pending: an overlapped CPU update and the open window's sum."""
         if self.window_steps:
             self.close_window(select_boundary=False, force_sync=True)
-        self.apply_pending()
+        self.updates.apply_pending()
         self.jobs.finish_sums()
 
     def wait_for_jobs(self) -> None:
         """Let every job end without applying anything (a state dict taken between steps)."""
         self.jobs.finish_sums()
-        for update in self.pending:
-            if update.handle is not None:
-                self.jobs.wait(update.handle)
+        self.updates.wait()
 
     def abandon_jobs(self) -> None:
         """After a failure: let running jobs end without raising (their results are undefined
         and state loaded next replaces everything they touched)."""
-        for update in self.pending:
-            if update.handle is not None:
-                with contextlib.suppress(cpu_adam.CPUAdamError):
-                    update.handle.wait()
+        self.updates.abandon()
         self.jobs.abandon_sums()
-        self.pending = []
 
     # Inspection.
 
@@ -487,7 +423,7 @@ class Conductor:
             steps=self.committed_steps,
             selected_fraction=selected / total if total else 0.0,
             window_steps=self.window_steps,
-            updates_in_flight=len(self.pending),
+            updates_in_flight=len(self.updates.pending),
             host_columns=sum(w.layout.block_rows for w in self.weights),
             **self.counters,
         )

@@ -32,7 +32,7 @@ def state_dict(conductor: Conductor) -> dict:
             "but not committed; save after step() (or zero_grad())"
         )
     conductor.wait_for_jobs()
-    pending = {id(w) for update in conductor.pending for w in update.weights}
+    pending = {id(w) for update in conductor.updates.pending for w in update.weights}
     weights = []
     for w in conductor.weights:
         layout = w.layout
@@ -90,7 +90,7 @@ def load_state_dict(conductor: Conductor, state: dict) -> None:
             f"optimizer has {shapes} and {len(conductor.vectors)}"
         )
     if conductor.failure is None:
-        conductor.apply_pending()
+        conductor.updates.apply_pending()
         conductor.jobs.finish_sums()
     else:
         conductor.abandon_jobs()
@@ -129,4 +129,4 @@ def load_state_dict(conductor: Conductor, state: dict) -> None:
         v.load(saved_vector)
     for _, group_weights in conductor.by_group(pending):
         entries = [UpdateEntry.of(w, None, None, None) for w in group_weights]
-        conductor.pending.append(PendingUpdate(None, entries))
+        conductor.updates.pending.append(PendingUpdate(None, entries))

@@ -1,0 +1,106 @@
+"""The CPU updates of one optimizer's windows: submitted, in flight, applied.
+
+A window's update is one C++ job per param group over the weights whose window is open: AdamW
+of each weight's unselected columns on the window's mean gradient (the fused boundary pass:
+the window's sum, plus the last step's rows where it folds them in, divided by the window's
+committed steps), with a 16-bit model's new values rounded by the job itself, in the same pass,
+so that writing them back converts nothing on the training thread. A synchronous update is
+applied at once; an overlapped one stays pending until the next window boundary.
+"""
+
+import contextlib
+
+import torch
+
+from zenflow.runtime import cpu_adam
+from zenflow.runtime.cpu_jobs import CPUJobs
+from zenflow.runtime.owned_weight import OwnedWeight
+from zenflow.runtime.pending_update import PendingUpdate, UpdateEntry
+
+
+class WindowUpdates:
+    """Owns the updates in flight (``pending``, oldest first); counts into the optimizer's
+    ``counters`` (the bytes of shipped device-side sums and of write-backs) and waits through
+    its ``jobs``."""
+
+    def __init__(self, jobs: CPUJobs, counters: dict):
+        self.jobs = jobs
+        self.counters = counters
+        self.pending: list[PendingUpdate] = []
+
+    def submit(
+        self, weights: list[OwnedWeight], hyper: dict, window_steps: int, background: bool
+    ) -> PendingUpdate:
+        """Queue the update of one param group's ``weights`` (``hyper``: its AdamW settings,
+        the learning rate already scaled for the window)."""
+        entries, sums, lasts = [], [], []
+        for w in weights:
+            w.state.host_steps[w.layout.k_local :] += 1
+            rounded = w.new_rounded_rows()
+            if w.device_sums:
+                shipped = w.window.ship(w.param.dtype)
+                self.counters["d2h_bytes"] += shipped.numel() * shipped.element_size()
+                sums.append(shipped)
+                entries.append(UpdateEntry.of(w, rounded, None, None))
+            else:
+                # The job reads (then zeroes) this window's sum while the next window fills
+                # the other buffer.
+                window_sum, last = w.window.take(background)
+                sums.append(window_sum)
+                lasts.append(None if last is None else last.rows)
+                entries.append(UpdateEntry.of(w, rounded, window_sum, last))
+        unselected = [w.state.unselected(w.layout) for w in weights]
+        masters, exp_avgs, exp_avg_sqs, steps = (
+            list(part) for part in zip(*unselected, strict=True)
+        )
+        common = dict(
+            steps=steps,
+            segment_len=[w.out for w in weights],
+            out16=[entry.rows if entry.rounded else None for entry in entries],
+            **hyper,
+        )
+        if weights[0].device_sums:
+            handle = cpu_adam.submit_adamw_step(
+                masters, sums, exp_avgs, exp_avg_sqs, grad_scale=1.0 / window_steps, **common
+            )
+        else:
+            handle = cpu_adam.submit_boundary_adamw_step(
+                masters, sums, lasts, exp_avgs, exp_avg_sqs, n=window_steps, **common
+            )
+        update = PendingUpdate(handle, entries)
+        if background:
+            self.pending.append(update)
+        return update
+
+    def apply(self, update: PendingUpdate, rewritten=()) -> None:
+        """Wait for ``update`` and write its result to the parameters, except for the weights
+        in ``rewritten`` (a synchronous update is about to write them again)."""
+        with torch.profiler.record_function("zenflow::write_back"):
+            if update.handle is not None:
+                self.jobs.collect(update.handle, "cpu_adam_s")
+            skipped = {id(w) for w in rewritten}
+            with torch.profiler.record_function("zenflow::write_unselected"):
+                for entry in update.entries:
+                    entry.release()
+                    if id(entry.weight) not in skipped:
+                        self.counters["h2d_bytes"] += entry.write()
+
+    def apply_pending(self, rewritten=()) -> None:
+        for update in self.pending:
+            self.apply(update, rewritten)
+        self.pending = []
+
+    def wait(self) -> None:
+        """Let the pending jobs end without applying them (a state dict taken between steps)."""
+        for update in self.pending:
+            if update.handle is not None:
+                self.jobs.wait(update.handle)
+
+    def abandon(self) -> None:
+        """After a failure: let running jobs end without raising (their results are undefined
+        and state loaded next replaces everything they touched)."""
+        for update in self.pending:
+            if update.handle is not None:
+                with contextlib.suppress(cpu_adam.CPUAdamError):
+                    update.handle.wait()
+        self.pending = []
