@@ -10,18 +10,16 @@ is tested, without a GPU.
 
 import torch
 
-from zenflow.runtime.staging.contributions import HostRows
-from zenflow.runtime.staging.ordered import OrderedStaging
+from zenflow.runtime.staging.ordered import StagedInHostBlock
 from zenflow.runtime.streams import PendingCopy, copy_stream
 
 
-class CopyStreamStaging(OrderedStaging):
-    """Owns the staged host block (first micro-batch's dtype, fp32 once summed), the copy into
-    it in flight, and a later micro-batch's copy with its own block."""
+class CopyStreamStaging(StagedInHostBlock):
+    """Owns, beside its host block (the first micro-batch's dtype, fp32 once summed), the copy
+    into it in flight, and a later micro-batch's copy with its own block."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._block: torch.Tensor | None = None
         self._copy: PendingCopy | None = None
         self._part: tuple[PendingCopy, torch.Tensor] | None = None
 
@@ -53,27 +51,3 @@ class CopyStreamStaging(OrderedStaging):
                 self._block = widened
             self._block[k_local:] += copy.wait()
             self.blocks.give(block)
-
-    def host_row_count(self) -> int:
-        return 0 if self._block is None else self.layout.host_columns.numel()
-
-    def host_rows(self) -> torch.Tensor:
-        return self._block[self.layout.k_local :]
-
-    def staged_host_block(self) -> torch.Tensor:
-        return self._block
-
-    def keep_host_block(self, block: torch.Tensor, k_local: int) -> None:
-        self._block = block
-
-    def hand_over(self) -> HostRows:
-        self.land()
-        block, self._block = self._block, None
-        return HostRows(block[self.layout.k_local :], lambda: self.blocks.give(block))
-
-    def discard(self) -> None:
-        self.land()  # a copy still writing a block must end before the block is taken again
-        if self._block is not None:
-            self.blocks.give(self._block)
-            self._block = None
-        super().discard()

@@ -8,7 +8,7 @@ would need its own reduction, so this strategy takes one rank.
 import torch
 
 from zenflow.runtime.staging.contributions import DeviceRows
-from zenflow.runtime.staging.ordered import OrderedStaging
+from zenflow.runtime.staging.ordered import OrderedStaging, sum_in_fp32
 
 
 class DeviceSumStaging(OrderedStaging):
@@ -19,10 +19,7 @@ class DeviceSumStaging(OrderedStaging):
         self._unselected: torch.Tensor | None = None
 
     def stage_unselected(self, unselected: torch.Tensor, first: bool) -> None:
-        if first:
-            self._unselected = unselected.to(torch.float32, copy=True)
-        else:
-            self._unselected += unselected
+        self._unselected = sum_in_fp32(self._unselected, unselected)
 
     def host_rows(self) -> torch.Tensor:
         return self._unselected

@@ -16,6 +16,14 @@ import torch
 
 from zenflow.runtime.migration import move_rows
 from zenflow.runtime.staging.base import Staging, squared_row_norms
+from zenflow.runtime.staging.contributions import HostRows
+
+
+def sum_in_fp32(total: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """Micro-batches' rows summed in fp32: a copy of the first one's, the later ones added."""
+    if total is None:
+        return rows.to(torch.float32, copy=True)
+    return total.add_(rows)
 
 
 class OrderedStaging(Staging):
@@ -36,10 +44,7 @@ class OrderedStaging(Staging):
         rows = rows_at(self._index())
         k = self.layout.k
         first = not self.staged
-        if first:
-            self._selected = rows[:k].to(torch.float32, copy=True)
-        else:
-            self._selected += rows[:k]
+        self._selected = sum_in_fp32(self._selected, rows[:k])
         self.stage_unselected(rows[k:], first)
         single = first and self.comm.world_size == 1
         self._scores_in_order = squared_row_norms(rows) if single else None
@@ -114,3 +119,36 @@ class OrderedStaging(Staging):
         self._scores_in_order = None
         self.micro_batches = 0
         self.staged_bytes = 0
+
+
+class StagedInHostBlock(OrderedStaging):
+    """An ordered strategy that keeps this rank's staged unselected rows in a host block (its
+    rows in local order, the first ``k_local`` unused); owns that block."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._block: torch.Tensor | None = None
+
+    def host_row_count(self) -> int:
+        return 0 if self._block is None else self.layout.host_columns.numel()
+
+    def host_rows(self) -> torch.Tensor:
+        return self._block[self.layout.k_local :]
+
+    def staged_host_block(self) -> torch.Tensor:
+        return self._block
+
+    def keep_host_block(self, block: torch.Tensor, k_local: int) -> None:
+        self._block = block
+
+    def hand_over(self) -> HostRows:
+        self.land()
+        block, self._block = self._block, None
+        return HostRows(block[self.layout.k_local :], lambda: self.blocks.give(block))
+
+    def discard(self) -> None:
+        self.land()  # a copy still writing a block must end before the block is taken again
+        if self._block is not None:
+            self.blocks.give(self._block)
+            self._block = None
+        super().discard()

@@ -8,6 +8,7 @@ to the host.
 
 import torch
 
+from zenflow.runtime.staging.ordered import sum_in_fp32
 from zenflow.runtime.staging.reduce_scatter import ReduceScatterStaging
 
 
@@ -20,10 +21,7 @@ class ReduceAtStepStaging(ReduceScatterStaging):
         self._on_device: torch.Tensor | None = None
 
     def stage_unselected(self, unselected: torch.Tensor, first: bool) -> None:
-        if first:
-            self._on_device = unselected.to(torch.float32, copy=True)
-        else:
-            self._on_device += unselected
+        self._on_device = sum_in_fp32(self._on_device, unselected)
 
     def finish(self) -> None:
         super().finish()
