@@ -8,7 +8,7 @@ A GPT-style model (token + position embeddings, pre-LN blocks with
 F.scaled_dot_product_attention, LM head tied to the token embedding) is compiled twice, in one
 process: with backend "inductor", and with backend "zenflow" plus a ZenFlowAdamW (step_backend
 "eager") that owns its weights, so the zenflow backward hands each weight's gradient to the
-runtime, which forms its rows in its column order straight into the host buffers (or, for a
+runtime, which forms its rows straight into its host blocks, in natural order (or, for a
 batch far smaller than the weight, keeps the gradient's two factors and leaves the product to
 ``step()``: try ``--batch 1 --seq 32``). Per-column importance is taken in ``step()`` from the
 staged rows, so select steps and update_interval "auto" run the same backward. A third model,

@@ -5,8 +5,8 @@ Backward graphs hand a weight's gradient to the runtime in one of two forms: a m
 factors, ``G.T == a @ b`` (``a``: ``[columns, batch]``, ``b``: ``[batch, out]``), or ``G.T``
 itself, with whatever strides the graph produced it in. Each function here forms the rows at the
 columns ``index`` (the runtime's order), or, for an index of None, every column in its natural
-place, with no gather: no selection yet, ``topk_ratio`` 0, or a host block whose few rows out of
-their natural place the runtime moves afterwards (``SplitWeight``).
+place, with no gather: no selection yet, ``topk_ratio`` 0, or a host block, which keeps every
+row in its natural place (``zenflow.runtime.staging.host_block``).
 """
 
 import functools
