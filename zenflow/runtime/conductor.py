@@ -27,7 +27,7 @@ from zenflow.runtime.selective_step import compiled_selective_adamw, step_backen
 from zenflow.runtime.staging.contributions import DeviceRows, Factors, HostRows, as_tensor
 from zenflow.runtime.vector_state import VectorState
 from zenflow.runtime.window_updates import WindowUpdates
-from zenflow.settings import ZenFlowSettings, resolve_select_interval
+from zenflow.settings import ZenFlowSettings
 
 
 def _traced(name: str):
@@ -68,19 +68,7 @@ class Conductor:
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
         self.comm = comm
-        self.schedule = schedule.Schedule(
-            warm_up_rounds=settings.full_warm_up_rounds,
-            select_interval=resolve_select_interval(
-                settings.select_strategy,
-                settings.select_interval,
-                settings.update_interval,
-                settings.steps_per_epoch,
-            ),
-            update_interval=None
-            if settings.update_interval == "auto"
-            else settings.update_interval,
-            selects=settings.topk_ratio > 0,
-        )
+        self.schedule = schedule.Schedule.of(settings)
         self.auto = None
         if settings.update_interval == "auto":
             self.auto = auto_interval.AutoUpdateInterval(

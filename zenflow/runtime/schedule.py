@@ -8,12 +8,30 @@ warm-up rounds. See docs/algorithm.md, "Boundaries and selection".
 import math
 from typing import NamedTuple
 
+from zenflow.settings import ZenFlowSettings, resolve_select_interval
+
 
 class Schedule(NamedTuple):
     warm_up_rounds: int
     select_interval: int  # steps, a multiple of update_interval
     update_interval: int | None  # None: "auto" (zenflow.runtime.auto_interval decides)
     selects: bool  # topk_ratio > 0
+
+    @classmethod
+    def of(cls, settings: ZenFlowSettings) -> "Schedule":
+        return cls(
+            warm_up_rounds=settings.full_warm_up_rounds,
+            select_interval=resolve_select_interval(
+                settings.select_strategy,
+                settings.select_interval,
+                settings.update_interval,
+                settings.steps_per_epoch,
+            ),
+            update_interval=None
+            if settings.update_interval == "auto"
+            else settings.update_interval,
+            selects=settings.topk_ratio > 0,
+        )
 
 
 class StepKind(NamedTuple):
