@@ -18,6 +18,7 @@ back position whose column enters it (every other column keeps its row), and rep
 device rows with entering ones in place: the rows that move are proportional to the change.
 """
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -85,9 +86,10 @@ class ColumnLayout:
             order.numel() - k for order, k in zip(self.local_orders, self.k_locals, strict=True)
         ]
 
-    @property
+    @functools.cached_property
     def natural_order(self) -> bool:
-        """Nothing selected: a gradient's rows are in this layout's order as formed."""
+        """Nothing selected: a gradient's rows are in this layout's order as formed (asked by
+        every backward: found once per layout)."""
         return self.k == 0 and all(
             torch.equal(order, torch.arange(lo, hi))
             for order, (lo, hi) in zip(self.local_orders, self.blocks, strict=True)
