@@ -208,16 +208,14 @@ class Conductor:
                 "last step; call loss.backward() before step() (if the model's parameters were "
                 "replaced after the optimizer was created, create the optimizer again)"
             )
-        try:
-            coefficient = clip_coefficient(
-                norm_sq, grad_divisor, max_norm, self.nonfinite, self.committed_steps + 1
-            )
-        finally:
-            self.last_step_skipped = not math.isfinite(norm_sq)
-            if self.last_step_skipped:
-                for w in weights:
-                    w.staging.discard()
-        if self.last_step_skipped:
+        self.last_step_skipped = not math.isfinite(norm_sq)
+        if self.last_step_skipped:  # nothing is committed, whether the step raises or skips
+            for w in weights:
+                w.staging.discard()
+        coefficient = clip_coefficient(
+            norm_sq, grad_divisor, max_norm, self.nonfinite, self.committed_steps + 1
+        )
+        if coefficient is None:
             self.counters["skipped_steps"] += 1
             return
         kind = schedule.step_kind(self.schedule, self.committed_steps)
@@ -351,7 +349,8 @@ class Conductor:
     def _auto_window_full(self, weights: list[OwnedWeight], coefficient: float) -> bool:
         """update_interval "auto": this step's selected energy against the energy of the
         accumulated unselected sum (its squared norm, summed over ranks)."""
-        energies = torch.stack([w.window.energy().cpu() for w in weights])
+        # Read once for every weight (the sums are all on one device), not once per weight.
+        energies = torch.stack([w.window.energy() for w in weights]).cpu()
         piled = self.comm.all_reduce_sum_(energies).tolist()
         observed = {}
         for w, unselected in zip(weights, piled, strict=True):

@@ -11,11 +11,9 @@ from zenflow.runtime.layout import ColumnLayout
 from zenflow.runtime.pending_update import PendingUpdate, UpdateEntry
 from zenflow.runtime.state_schema import FORMAT, WeightRecord, check_format
 
-# The settings a state dict must have been saved with: others would resume a different run.
-SETTINGS = ("topk_ratio", "update_interval", "select_interval", "overlap_step")
-
 
 def _settings(conductor: Conductor) -> dict:
+    """The settings a state dict must have been saved with: others would resume another run."""
     settings = conductor.settings
     return {
         "topk_ratio": settings.topk_ratio,
