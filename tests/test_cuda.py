@@ -27,6 +27,7 @@ from zenflow.optimizer import ZenFlowAdamW
 from zenflow.reference import ReferenceZenFlowAdamW
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.owned_weight import OwnedWeight
+from zenflow.runtime.state_schema import saved_weights
 from zenflow.runtime.streams import CopyStream, copy_stream
 
 pytestmark = pytest.mark.cuda
@@ -91,7 +92,7 @@ def reference_run(device, steps=12, flush=False, **settings):
 def assert_placement(opt: ZenFlowAdamW, device: torch.device, offload: bool = False) -> None:
     state_device = "cpu" if offload else device.type
     saved = opt.state_dict()
-    for weight in saved["weights"]:
+    for weight in saved_weights(saved):
         *fp32, steps = weight["host"]
         for host in fp32:
             assert host.device.type == "cpu" and host.is_pinned()
@@ -252,7 +253,7 @@ def test_runtime_options_on_cuda_equal_reference(cuda_fp32, settings):
     assert_close(list(model.parameters()), list(oracle_model.parameters()), **GPU_TOL)
     assert_placement(opt, cuda_fp32, offload=settings.get("offload", False))
     if settings.get("accumulate_on_device"):
-        sums = [weight["accumulator"] for weight in opt.state_dict()["weights"]]
+        sums = [weight["accumulator"] for weight in saved_weights(opt.state_dict())]
         assert all(s.device.type == "cuda" for s in sums if s is not None)
 
 
@@ -336,7 +337,9 @@ def test_bf16_model_trains_on_cuda(cuda_fp32):
         opt.step()
         losses.append(loss.item())
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    assert all(weight["host"][0].dtype == torch.float32 for weight in opt.state_dict()["weights"])
+    assert all(
+        weight["host"][0].dtype == torch.float32 for weight in saved_weights(opt.state_dict())
+    )
     assert losses[-1] < 0.8 * losses[0], losses
 
 

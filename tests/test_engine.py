@@ -20,6 +20,7 @@ from tests.snapshots import assert_bitwise_equal, snapshot
 from zenflow.adamw import PlainAdamW
 from zenflow.optimizer import ZenFlowAdamW
 from zenflow.reference import ReferenceZenFlowAdamW
+from zenflow.runtime.state_schema import saved_weights
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The engine puts the model on the GPU when there is one; inputs and baselines follow it.
@@ -214,8 +215,8 @@ def test_bf16_trains_with_fp32_masters(zero):
     assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
     saved = optimizer.state_dict()
     assert all(master.dtype == torch.float32 for master, *_ in saved["vectors"])
-    assert all(weight["host"][0].dtype == torch.float32 for weight in saved["weights"])
-    assert all(weight["device"][0].dtype == torch.float32 for weight in saved["weights"])
+    assert all(weight["host"][0].dtype == torch.float32 for weight in saved_weights(saved))
+    assert all(weight["device"][0].dtype == torch.float32 for weight in saved_weights(saved))
     x, y = batch(0, torch.bfloat16)
     losses = []
     for _ in range(30):
@@ -238,7 +239,7 @@ def test_checkpoint_resumes_bitwise_in_a_fresh_process(tmp_path):
     assert first.stats()["window_steps"] == 2
     first.save_checkpoint(tmp_path, client_state={"epoch": 3})
     saved = torch.load(tmp_path / "global_step10" / "rank0.pt", weights_only=False)
-    assert any(weight["pending"] for weight in saved["optimizer"]["weights"])
+    assert any(weight["pending"] for weight in saved_weights(saved["optimizer"]))
     assert (tmp_path / "latest").read_text() == "global_step10"
     assert sorted(os.listdir(tmp_path / "global_step10")) == ["COMMITTED", "rank0.pt"]
 

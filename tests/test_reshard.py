@@ -13,6 +13,7 @@ import zenflow
 from tests.zero_configs import overlapped_zenflow_zero
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.reshard import reshard
+from zenflow.runtime.state_schema import saved_weights
 
 STEPS, SAVED_AT, BATCH = 12, 7, 12
 
@@ -52,7 +53,7 @@ def run(world_size, rank, stage, stop, load_dir=None, save_dir=None) -> list[tor
     if save_dir is not None:
         engine.save_checkpoint(save_dir, tag="mid")
         if world_size == 1 and stage:
-            saved = engine.optimizer.state_dict()["weights"]
+            saved = saved_weights(engine.optimizer.state_dict())
             assert any(weight["window_factors"] for weight in saved)
     engine.flush()
     return [p.detach().clone() for p in net.parameters()]

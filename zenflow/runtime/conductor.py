@@ -113,6 +113,7 @@ class Conductor:
         self.failure: BaseException | None = None
         self.clip_next_step: float | None = None
         self._norm_sq: float | None = None
+        self._owned_scale = 1.0  # the scale of the owned weights' staged gradients this step
         self._scores: dict[OwnedWeight, torch.Tensor] = {}
 
     @property
@@ -146,18 +147,16 @@ class Conductor:
 
     # Gradients.
 
-    def _collect_eager_grads(self) -> None:
-        for w in self.weights:
-            if w.param.grad is not None:
-                w.stage_grad(w.param.grad)
-                w.param.grad = None
-
     @_traced("zenflow::gradient_norm")
     def staged_norm_sq(self) -> float:
-        """Squared global norm of this step's gradient (non-finite on overflow); computed
+        """Squared global norm of this step's gradient as ``.grad`` shows it (clipped through
+        ``.grad``, see ``zenflow.runtime.staged_gradient``), non-finite on overflow; computed
         once per step."""
         if self._norm_sq is None:
-            self._collect_eager_grads()
+            for w in self.weights:
+                w.collect_gradient()
+            owned = [w for w in self.weights if w.staging.staged]
+            self._owned_scale = _common_scale(owned)
             # Summed where the parts are (each device's, then the host's): one transfer per
             # device and step, not one per weight.
             totals: dict[torch.device, torch.Tensor] = {}
@@ -166,10 +165,8 @@ class Conductor:
                 totals[part.device] = part + totals[part.device] if part.device in totals else part
 
             self._scores = {}
-            for w in self.weights:
-                if w.staging.staged:
-                    w.staging.finish()
-                    add(w.staging.norm_sq())
+            for w in owned:
+                add(w.gradient_norm_sq() * self._owned_scale**2)
             for v in self.vectors:
                 if v.param.grad is not None:
                     self.comm.all_reduce_mean_(v.param.grad)
@@ -179,7 +176,7 @@ class Conductor:
 
     def discard_staged(self) -> None:
         for w in self.weights:
-            w.staging.discard()
+            w.discard_gradient()
         self._norm_sq = None
 
     def column_scores(self, w: OwnedWeight) -> torch.Tensor:
@@ -211,28 +208,31 @@ class Conductor:
         self.last_step_skipped = not math.isfinite(norm_sq)
         if self.last_step_skipped:  # nothing is committed, whether the step raises or skips
             for w in weights:
-                w.staging.discard()
+                w.discard_gradient()
         coefficient = clip_coefficient(
             norm_sq, grad_divisor, max_norm, self.nonfinite, self.committed_steps + 1
         )
         if coefficient is None:
             self.counters["skipped_steps"] += 1
             return
+        # The 1-D parameters' .grad already holds any scale applied through .grad; the staged
+        # rows take theirs here.
+        owned_coefficient = coefficient * self._owned_scale
         kind = schedule.step_kind(self.schedule, self.committed_steps)
         if kind.select:
             self._reselect(weights)
-        self._device_commit(weights, vectors, coefficient)
+        self._device_commit(weights, vectors, owned_coefficient, coefficient)
         auto_fired = False
         if kind.warm_up:
-            self._full_host_update(weights, coefficient)
+            self._full_host_update(weights, owned_coefficient)
         else:
-            fold_last = kind.update_boundary and self.auto is None and coefficient == 1.0
-            self._accumulate(weights, coefficient, fold_last)
+            fold_last = kind.update_boundary and self.auto is None and owned_coefficient == 1.0
+            self._accumulate(weights, owned_coefficient, fold_last)
             if self.auto is not None:
-                auto_fired = self._auto_window_full(weights, coefficient)
+                auto_fired = self._auto_window_full(weights, owned_coefficient)
         for w in weights:
             self.counters["d2h_bytes"] += w.staging.staged_bytes
-            w.staging.discard()
+            w.discard_gradient()
         self.committed_steps += 1
         if not kind.warm_up:
             self.window_steps += 1
@@ -266,16 +266,18 @@ class Conductor:
         self.counters["reselections"] += 1
 
     @_traced("zenflow::device_update")
-    def _device_commit(self, weights, vectors, coefficient: float) -> None:
-        """The selected rows and the 1-D parameters: one AdamW call per param group and
-        device (with ``offload`` the selected rows are updated on the host)."""
+    def _device_commit(self, weights, vectors, owned_coefficient: float, coefficient: float):
+        """The selected rows and the 1-D parameters: one AdamW call per param group, device
+        and gradient coefficient (with ``offload`` the selected rows are updated on the
+        host)."""
         calls = {}
         for w in weights:
             if w.layout.k > 0:
-                calls.setdefault((w.group_index, w.state.device), ([], []))[0].append(w)
+                key = (w.group_index, w.state.device, owned_coefficient)
+                calls.setdefault(key, ([], []))[0].append(w)
         for v in vectors:
-            calls.setdefault((v.group_index, v.param.device), ([], []))[1].append(v)
-        for (group_index, device), (rows, vecs) in calls.items():
+            calls.setdefault((v.group_index, v.param.device, coefficient), ([], []))[1].append(v)
+        for (group_index, device, coefficient), (rows, vecs) in calls.items():
             hyper = self._hyper(group_index)
             self._device_step(
                 [w.state.device_master for w in rows] + [v.master for v in vecs],
@@ -425,6 +427,27 @@ class Conductor:
                     f"after the optimizer was created (it had {v.master.numel()} elements); "
                     "create the optimizer after the last change to the model"
                 )
+
+
+def _common_scale(weights: list[OwnedWeight]) -> float:
+    """The factor the weights' staged gradients were multiplied by through ``.grad``
+    (clip_grad_norm_'s coefficient): one for all, read once (1.0 where none was applied)."""
+    scales = [w.gradient_scale() for w in weights]
+    if all(scale is None for scale in scales):
+        return 1.0
+    if any(scale is None for scale in scales):
+        values = None
+    elif all(scale is scales[0] for scale in scales):
+        values = [scales[0].item()]
+    else:
+        values = torch.stack([s.to(scales[0].device) for s in scales]).tolist()
+    if values is None or any(value != values[0] for value in values):
+        raise RuntimeError(
+            "the .grad of some weights owned by ZenFlowAdamW was scaled (clip_grad_norm_, "
+            "mul_) and of others not, or by other factors: a step applies one factor to all "
+            "its staged gradients; scale them alike (clip_grad_norm_(model.parameters(), ...))"
+        )
+    return values[0]
 
 
 def _window_rows(w: OwnedWeight) -> int:

@@ -9,7 +9,13 @@ import torch
 from zenflow.runtime.conductor import Conductor
 from zenflow.runtime.layout import ColumnLayout
 from zenflow.runtime.pending_update import PendingUpdate, UpdateEntry
-from zenflow.runtime.state_schema import FORMAT, WeightRecord, check_format
+from zenflow.runtime.state_schema import (
+    FORMAT,
+    HostResident,
+    WeightRecord,
+    check_format,
+    saved_weights,
+)
 
 
 def _settings(conductor: Conductor) -> dict:
@@ -59,14 +65,15 @@ def state_dict(conductor: Conductor) -> dict:
         "window_steps": conductor.window_steps,
         "counters": dict(conductor.counters),
         "auto_interval": None if conductor.auto is None else conductor.auto.state_dict(),
-        "weights": weights,
+        "weights": HostResident(weights),
         "vectors": [v.tensors() for v in conductor.vectors],
     }
 
 
 @torch.no_grad()
 def load_state_dict(conductor: Conductor, state: dict) -> None:
-    """Restore ``state_dict``'s result into a conductor over the same parameters."""
+    """Restore ``state_dict``'s result into a conductor over the same parameters. Every tensor
+    is copied to where its kind of state lives, wherever it was loaded or moved to."""
     check_format(state)
     mine = _settings(conductor)
     if state["settings"] != mine:
@@ -79,7 +86,7 @@ def load_state_dict(conductor: Conductor, state: dict) -> None:
             f"{comm.rank} of {comm.world_size}; at another world size pass every saved rank's "
             "state dict to load_resharded()"
         )
-    records = [WeightRecord.from_dict(saved) for saved in state["weights"]]
+    records = [WeightRecord.from_dict(saved) for saved in saved_weights(state)]
     shapes = [(w.layout.block_rows, w.out) for w in conductor.weights]
     saved = [record.host_shape for record in records]
     if saved != shapes or len(state["vectors"]) != len(conductor.vectors):
@@ -107,8 +114,8 @@ def load_state_dict(conductor: Conductor, state: dict) -> None:
                 columns=w.columns,
                 rank=comm.rank,
                 blocks=w.layout.blocks,
-                device_columns=record.order[: record.k].clone(),
-                local_orders=tuple(order.clone() for order in record.local_orders),
+                device_columns=record.order[: record.k].to("cpu", copy=True),
+                local_orders=tuple(order.to("cpu", copy=True) for order in record.local_orders),
                 k_locals=tuple(record.k_locals),
             )
         )

@@ -3,8 +3,11 @@
 The parts: where its columns are kept (``layout``), their AdamW state (``state``), the step's
 gradient on its way (``staging``, one strategy chosen here for the weight's life) and the open
 window (``window``). The ops the backend compiles into backward reach the weight by its
-registry slot and hand the gradient to its staging. The parameter itself keeps PyTorch's
-layout; updated values are written into its columns (``zenflow.runtime.param_writes``).
+registry slot and hand the gradient to its staging; while it is staged, the parameter's
+``.grad`` is a ``StagedGradient`` that stands for it (``zenflow.runtime.staged_gradient``):
+setting ``.grad`` to None (``model.zero_grad()``) drops it. The parameter itself keeps
+PyTorch's layout; updated values are written into its columns
+(``zenflow.runtime.param_writes``).
 """
 
 import torch
@@ -15,14 +18,17 @@ from zenflow.runtime.column_state import ColumnState
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.layout import ColumnLayout
 from zenflow.runtime.param_writes import write_columns
+from zenflow.runtime.staged_gradient import StagedGradient
 from zenflow.runtime.staging import staging_for
 from zenflow.runtime.streams import PendingCopy, copy_stream
 from zenflow.runtime.window_sum import WindowSum
 
 
 class OwnedWeight:
-    """Owns the parts above, the pinned buffers its values cross to the device through, and
-    its registry slot. ``offload``: the selected columns' state lives on the host, and is
+    """Owns the parts above, the pinned buffers its values cross to the device through, its
+    registry slot, and the step's gradient as ``.grad`` shows it (the ``StagedGradient``, and
+    its squared norm once the step or a clip took it: no micro-batch may join after that).
+    ``offload``: the selected columns' state lives on the host, and is
     updated there; ``device_sums``: the window's sum is kept on the weight's device."""
 
     def __init__(
@@ -57,22 +63,74 @@ class OwnedWeight:
         self.window = WindowSum(param.device if device_sums else torch.device("cpu"))
         # purpose -> (pinned buffer, its transfer to the device in flight), on a GPU.
         self._to_device_buffers: dict[str, tuple[torch.Tensor, PendingCopy | None]] = {}
+        self._gradient: StagedGradient | None = None
+        self._norm_sq: torch.Tensor | None = None
         self.slot = registry.register(param, self)
 
     # The runtime side of zenflow.compile.ops: called from compiled backward graphs.
 
     def stage_matmul(self, columns_by_batch, out_grad, lookup=None) -> None:
+        self._before_staging()
         self.staging.stage_matmul(columns_by_batch, out_grad, lookup)
+        self._after_staging()
 
     def stage_lookup(self, lookup_rows: torch.Tensor, lookup_ids: torch.Tensor) -> None:
+        self._before_staging()
         self.staging.stage_lookup(lookup_rows, lookup_ids)
+        self._after_staging()
 
     def stage_columns(self, columns_by_out: torch.Tensor) -> None:
+        self._before_staging()
         self.staging.stage_columns(columns_by_out)
+        self._after_staging()
 
-    def stage_grad(self, grad: torch.Tensor) -> None:
-        """A gradient that arrived in ``.grad`` (a model that is not compiled)."""
-        self.staging.stage_columns(column_rows(grad))
+    # The step's gradient.
+
+    def collect_gradient(self) -> None:
+        """Before the step reads the gradient: an ordinary ``.grad`` (a model that is not
+        compiled) is staged; staged rows whose ``.grad`` was set to None since are dropped."""
+        grad = self.param.grad
+        if grad is not None and grad is self._gradient:
+            return
+        if self.staging.staged:  # .grad cleared or replaced after the backward staged it
+            self.discard_gradient()
+        if grad is not None:
+            self.staging.stage_columns(column_rows(grad))
+            self._after_staging()
+
+    def gradient_norm_sq(self) -> torch.Tensor:
+        """The staged gradient's squared norm over every rank, before any scale (a float64
+        0-d tensor). Reduces the gradient over ranks first, once per step."""
+        if self._norm_sq is None:
+            self.staging.finish()
+            self._norm_sq = self.staging.norm_sq()
+        return self._norm_sq
+
+    def gradient_scale(self) -> torch.Tensor | None:
+        """What the staged gradient was multiplied by through ``.grad`` (clipping), or None."""
+        return None if self._gradient is None else self._gradient.scale
+
+    def discard_gradient(self) -> None:
+        """Drop the staged gradient (committed, skipped, or zeroed), and its ``.grad``."""
+        self.staging.discard()
+        self._norm_sq = None
+        if self._gradient is not None and self.param.grad is self._gradient:
+            self.param.grad = None
+        self._gradient = None
+
+    def _before_staging(self) -> None:
+        if self.staging.staged and self.param.grad is not self._gradient:
+            self.discard_gradient()  # .grad was set to None (zero_grad) after a backward
+        if self._norm_sq is not None:
+            raise RuntimeError(
+                "a backward() after this step's gradient norm was taken (by clip_grad_norm_ "
+                "or the step): the norm would miss it; clip after the step's last backward"
+            )
+
+    def _after_staging(self) -> None:
+        if self._gradient is None:
+            self._gradient = StagedGradient(self, self.param)
+        self.param.grad = self._gradient
 
     # Selection.
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from zenflow.runtime.state_schema import WeightRecord, check_format
+from zenflow.runtime.state_schema import WeightRecord, check_format, saved_weights
 
 Block = Callable[[int, int], tuple[int, int]]
 
@@ -34,12 +34,12 @@ def reshard(states: list[dict], world_size: int, rank: int, block: Block) -> dic
     first = states[0]
     weights = [
         _weight(
-            [WeightRecord.from_dict(state["weights"][i]) for state in states],
+            [WeightRecord.from_dict(saved_weights(state)[i]) for state in states],
             world_size,
             rank,
             block,
         ).to_dict()
-        for i in range(len(first["weights"]))
+        for i in range(len(saved_weights(first)))
     ]
     return {**first, "world_size": world_size, "rank": rank, "weights": weights}
 

@@ -1,7 +1,15 @@
-"""The saved form of a ZenFlowAdamW's state (``zenflow.ZenFlowAdamW/2``), typed.
+"""The saved form of a ZenFlowAdamW's state (``zenflow.ZenFlowAdamW/3``), typed.
 
-A state dict holds only tensors and plain values (numbers, strings, lists, dicts), so it loads
-with ``torch.load(weights_only=True)``: a checkpoint someone else wrote cannot run code on load.
+A state dict holds only tensors, plain values (numbers, strings, lists, dicts) and one class of
+this module allowlisted for ``torch.load(weights_only=True)`` (``HostResident``): a checkpoint
+someone else wrote cannot run code on load.
+
+The weights' entries sit in a ``HostResident``: Accelerate (and so Hugging Face Trainer) moves
+an optimizer's state dict to the accelerator and loads it back when it wraps the optimizer, a
+recursive ``.to(device)`` over dicts, lists and tensors that leaves other objects alone. The
+host state is what offloading keeps off the device (fp32 masters and moments, three times the
+model): moved there, it would not fit. Format 2 (the same, with the weights' list bare) still
+loads.
 ``WeightRecord`` is one weight's entry, as this rank saved it; ``reshard`` reads and writes the
 same records.
 
@@ -18,7 +26,28 @@ from dataclasses import dataclass, fields
 
 import torch
 
-FORMAT = "zenflow.ZenFlowAdamW/2"
+FORMAT = "zenflow.ZenFlowAdamW/3"
+_READABLE = (FORMAT, "zenflow.ZenFlowAdamW/2")
+
+
+class HostResident:
+    """A part of a state dict that stays where it is when the dict is moved to a device;
+    owns nothing but ``value``."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"HostResident({self.value!r})"
+
+
+torch.serialization.add_safe_globals([HostResident])
+
+
+def saved_weights(state: dict) -> list[dict]:
+    """The weights' entries of a state dict (held in a ``HostResident``, or bare)."""
+    weights = state["weights"]
+    return weights.value if isinstance(weights, HostResident) else weights
 
 
 @dataclass
@@ -64,7 +93,7 @@ TOP_LEVEL = (
 
 
 def check_format(state) -> None:
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+    if not isinstance(state, dict) or state.get("format") not in _READABLE:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"not a {FORMAT} state dict (found {found!r})")
     missing = [name for name in (*TOP_LEVEL, "weights", "vectors") if name not in state]

@@ -121,6 +121,7 @@ class WindowSum:
         self._spare = None
         self.last = None
         self.deferred = [
-            Factors(x.clone(), dy.clone(), host_columns) for x, dy in state["window_factors"]
+            Factors(x.to(self.device, copy=True), dy.to(self.device, copy=True), host_columns)
+            for x, dy in state["window_factors"]
         ]
         self.open = state["in_window"]
