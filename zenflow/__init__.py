@@ -16,6 +16,7 @@ _PUBLIC = {
     "ReferenceZenFlowAdamW": "zenflow.reference",
     "CPUAdamW": "zenflow.cpu_adamw",
     "ZenFlowAdamW": "zenflow.optimizer",
+    "StagedGradient": "zenflow.runtime.staged_gradient",
     # Failures a long run may want to catch (see README's reliability section).
     "NonFiniteGradientError": "zenflow.runtime.nonfinite",
     "CPUAdamError": "zenflow.runtime.cpu_adam",

@@ -1,0 +1,1 @@
+"""Glue for libraries that drive the training loop themselves (``zenflow.integrations.transformers``)."""
