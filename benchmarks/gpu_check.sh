@@ -132,6 +132,9 @@ assert p.detach().lt(1).all(), p
 from zenflow.runtime import cpu_adam
 print("zenflow CPU AdamW ok, isa", cpu_adam.isa())'
     "$PYTHON" -c 'import deepspeed; print("deepspeed", deepspeed.__version__)'
+    # For one CUDA test (Accelerate's prepare); its absence fails that test, not the check.
+    "$PYTHON" -m pip install "${links[@]}" accelerate ||
+        echo "!! accelerate did not install: test_accelerate_prepare_leaves_the_host_state_on_the_host will fail"
 }
 
 # DeepSpeedCPUAdam is compiled on first use (ninja, ~1 min): start it now, next to the tests.

@@ -10,6 +10,9 @@
 #   - deepspeed, at the version installed here (.venv), built from its source release (PyPI
 #     ships no wheel) with DS_BUILD_OPS=0: a pure-Python wheel, its C++ ops (DeepSpeedCPUAdam)
 #     are built just in time on the GPU machine, on first use;
+#   - accelerate (tests/test_cuda.py checks what its prepare() does to the optimizer's state),
+#     without its dependencies torch and numpy, with the others (huggingface-hub, safetensors,
+#     pyyaml and theirs);
 #   - deepspeed's dependencies that torch images usually lack (hjson, pydantic with its
 #     compiled core for that Python, annotated-types, typing-inspection, typing-extensions)
 #     and, as a fallback, the small ones that are usually there (einops, msgpack, ninja,
@@ -66,8 +69,13 @@ for name in hjson pydantic annotated-types typing-inspection typing-extensions e
     ninja packaging psutil py-cpuinfo tqdm setuptools wheel; do
     names+=("$(pinned "$name")")
 done
+for name in huggingface-hub safetensors pyyaml; do
+    names+=("$(pinned "$name")")
+done
 "$PYTHON" -m pip download -q --only-binary=:all: --python-version "$PYVER" --implementation cp \
     "${platform_args[@]}" -d "$DEST" "${names[@]}"
+rm -f "$DEST"/accelerate-*.whl
+"$PYTHON" -m pip download -q --no-deps --only-binary=:all: -d "$DEST" "$(pinned accelerate)"
 
 # One version of each project, and none of numpy or torch.
 declare -A seen=()

@@ -395,3 +395,28 @@ def test_nccl_with_one_rank_equals_the_single_process_run(cuda_fp32, zero_stage)
     assert_close(list(model.parameters()), list(single.parameters()), **GPU_TOL)
     oracle_model, _ = reference_run(cuda_fp32, flush=True)
     assert_close(list(model.parameters()), list(oracle_model.parameters()), **GPU_TOL)
+
+
+def test_accelerate_prepare_leaves_the_host_state_on_the_host(cuda_fp32):
+    """``accelerator.prepare(optimizer)`` (Trainer calls it) moves the state dict to the device
+    and loads it back: the host state (three times the weights it holds) must not come along,
+    nor end up on the device after the load."""
+    import accelerate
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).to(cuda_fp32)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.1, update_interval=2)
+    model(torch.randn(8, 1024, device=cuda_fp32)).square().mean().backward()
+    opt.step()
+    host_bytes = sum(
+        t.numel() * t.element_size() for w in saved_weights(opt.state_dict()) for t in w["host"]
+    )
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    prepared = accelerate.Accelerator().prepare(opt)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < host_bytes / 2
+    assert all(t.is_pinned() for w in saved_weights(opt.state_dict()) for t in w["host"][:3])
+    model(torch.randn(8, 1024, device=cuda_fp32)).square().mean().backward()
+    prepared.step()
+    assert opt.stats()["steps"] == 2
