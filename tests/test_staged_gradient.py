@@ -70,7 +70,9 @@ def test_clearing_grad_after_a_backward_drops_that_backward(clear):
             p.grad.zero_()
     loss_of("mlp", compiled, *data[1]).backward()
     opt.step()
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
+    assert all(
+        torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True)
+    )
 
 
 def test_an_eager_backward_into_a_staged_gradient_is_refused():
