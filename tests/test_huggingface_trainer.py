@@ -110,20 +110,21 @@ def assert_trained_alike(model, like, atol: float) -> None:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
-def test_the_logged_grad_norm_is_the_true_global_norm(compiled, tmp_path):
+@pytest.mark.parametrize("run", ["compiled", "eager", "compiled, bf16 autocast"])
+def test_the_logged_grad_norm_is_the_true_global_norm(run, tmp_path):
+    precision = dict(bf16=True) if "bf16" in run else {}
     torch_model = gpt2()
     reference = transformers.Trainer(
         model=torch_model,
-        args=arguments(tmp_path, max_steps=1),
+        args=arguments(tmp_path, max_steps=1, **precision),
         train_dataset=dataset(),
         optimizers=(torch.optim.AdamW(torch_model.parameters(), lr=1e-2, weight_decay=0.0), None),
     )
     reference.train()
-    trainer, _, watch = zenflow_trainer(tmp_path, compiled=compiled, max_steps=1)
+    compiled = run.startswith("compiled")
+    trainer, _, watch = zenflow_trainer(tmp_path, compiled=compiled, max_steps=1, **precision)
     trainer.train()
-    expected = zenflow.StagedGradient if compiled else torch.Tensor
-    assert watch.kinds == [expected]
+    assert watch.kinds == [zenflow.StagedGradient if compiled else torch.Tensor]
     (want,), (got,) = grad_norms(reference), grad_norms(trainer)
     assert want > 1.0  # the default max_grad_norm clips
     assert got == pytest.approx(want, rel=1e-5)

@@ -8,8 +8,10 @@ AdamW updates those columns from the window's mean gradient, asynchronously with
 docs/algorithm.md; the runtime that carries it out: ``zenflow.runtime.conductor``.
 
 Gradients of weights arrive through the ops the backend compiles into the backward graph (then
-``.grad`` stays None), or through ``.grad`` on a model that is not compiled. Either way they are
-staged and committed only after the overflow check and the clip coefficient are known.
+``.grad`` is a ``zenflow.StagedGradient`` that stands for the staged rows: torch's
+``clip_grad_norm_`` takes its norm and scales it), or through ``.grad`` on a model that is not
+compiled. Either way they are staged and committed only after the overflow check and the clip
+coefficient are known.
 """
 
 import math
@@ -123,8 +125,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip this step's gradients to ``max_norm`` by their global norm, as
-        ``torch.nn.utils.clip_grad_norm_`` would (which cannot: ``.grad`` of owned weights is
-        None). Returns the norm before clipping."""
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` does (through the
+        owned weights' ``StagedGradient``); replaces ``max_grad_norm`` for this step. Returns
+        the norm before clipping."""
         self._runtime.clip_next_step = max_norm
         return torch.tensor(math.sqrt(self._runtime.staged_norm_sq()))
 
