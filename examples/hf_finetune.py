@@ -12,7 +12,7 @@ batches, each through an unmodified ``Trainer``:
 Trainer clips both at ``max_grad_norm`` 1.0 (its default) and runs a linear LR schedule. Prints
 the train and eval losses of both runs and zenflow's over AdamW's.
 
-    python examples/hf_finetune.py           # about two minutes on 2 CPU cores
+    python examples/hf_finetune.py           # about 6 minutes on 2 CPU cores, compiles included
     python examples/hf_finetune.py --quick   # seconds, for the test suite (no Inductor)
 """
 
