@@ -23,6 +23,7 @@ def train(world_size: int, rank: int, settings: dict) -> tuple[torch.nn.Module, 
     settings = dict(settings)
     compiled = settings.pop("compiled", False)
     as_over_nccl = settings.pop("as_over_nccl", False)
+    torch_clip = settings.pop("torch_clip", None)  # torch.nn.utils.clip_grad_norm_ after backward
     model = build("mlp")
     # NCCL's path for host tensors (a copy on the collective's device, results copied back),
     # with the CPU standing in for the GPU.
@@ -40,6 +41,8 @@ def train(world_size: int, rank: int, settings: dict) -> tuple[torch.nn.Module, 
             p.shape[1] - opt.selected_columns(p).numel() for p in model.parameters() if p.dim() >= 2
         ]
         opt.staged_rows_after_backward.append((opt.staged_host_rows(), unselected))
+        if torch_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), torch_clip)
         opt.step()
     opt.flush()
     return model, opt

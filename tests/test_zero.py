@@ -35,6 +35,7 @@ def two_ranks(tmp_path, settings) -> list[dict]:
         dict(zero_stage=2, offload=True),
         dict(zero_stage=1, overlap_step=True, as_over_nccl=True),
         dict(zero_stage=2, compiled=True, as_over_nccl=True),
+        dict(zero_stage=2, compiled=True, torch_clip=0.05),
     ],
     ids=[
         "stage1",
@@ -44,6 +45,7 @@ def two_ranks(tmp_path, settings) -> list[dict]:
         "offload",
         "stage1-host-tensors-as-over-nccl",
         "stage2-compiled-host-tensors-as-over-nccl",
+        "stage2-compiled-clipped-by-torch",
     ],
 )
 def test_two_ranks_equal_one_rank_and_the_reference(tmp_path, settings):
@@ -55,8 +57,10 @@ def test_two_ranks_equal_one_rank_and_the_reference(tmp_path, settings):
     )
 
     oracle_model = build("mlp")
-    runtime_only = ("zero_stage", "compiled", "offload", "as_over_nccl")
+    runtime_only = ("zero_stage", "compiled", "offload", "as_over_nccl", "torch_clip")
     reference_settings = {k: v for k, v in settings.items() if k not in runtime_only}
+    if "torch_clip" in settings:  # the oracle's .grad is ordinary: it clips as torch does
+        reference_settings["max_grad_norm"] = settings["torch_clip"]
     oracle = ReferenceZenFlowAdamW(oracle_model.parameters(), **reference_settings)
     for inputs, targets in batches("mlp", 12):
         oracle.zero_grad()

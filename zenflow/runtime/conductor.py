@@ -101,6 +101,7 @@ class Conductor:
                             comm,
                             offload=settings.offload,
                             device_sums=settings.accumulate_on_device,
+                            before_norms=self._reduce_vector_grads,
                         )
                     )
                 else:
@@ -113,6 +114,7 @@ class Conductor:
         self.failure: BaseException | None = None
         self.clip_next_step: float | None = None
         self._norm_sq: float | None = None
+        self._vector_grads_reduced = False
         self._owned_scale = 1.0  # the scale of the owned weights' staged gradients this step
         self._scores: dict[OwnedWeight, torch.Tensor] = {}
 
@@ -167,17 +169,27 @@ class Conductor:
             self._scores = {}
             for w in owned:
                 add(w.gradient_norm_sq() * self._owned_scale**2)
+            self._reduce_vector_grads()
             for v in self.vectors:
                 if v.param.grad is not None:
-                    self.comm.all_reduce_mean_(v.param.grad)
                     add(torch.linalg.vector_norm(v.param.grad, dtype=torch.float64) ** 2)
             self._norm_sq = sum(total.item() for total in totals.values())
         return self._norm_sq
+
+    def _reduce_vector_grads(self) -> None:
+        """Average the 1-D parameters' gradients over ranks, once per step, before any norm
+        is taken: ``clip_grad_norm_`` reads them beside the owned weights' reduced norms."""
+        if not self._vector_grads_reduced:
+            for v in self.vectors:
+                if v.param.grad is not None:
+                    self.comm.all_reduce_mean_(v.param.grad)
+            self._vector_grads_reduced = True
 
     def discard_staged(self) -> None:
         for w in self.weights:
             w.discard_gradient()
         self._norm_sq = None
+        self._vector_grads_reduced = False
 
     def column_scores(self, w: OwnedWeight) -> torch.Tensor:
         """This step's importance of each of ``w``'s columns (natural order), computed once
@@ -197,6 +209,7 @@ class Conductor:
         max_norm = self.clip_next_step or self.max_grad_norm
         self.clip_next_step = None
         self._norm_sq = None
+        self._vector_grads_reduced = False
         weights = [w for w in self.weights if w.staging.staged]
         vectors = [v for v in self.vectors if v.param.grad is not None]
         if not weights and not vectors:

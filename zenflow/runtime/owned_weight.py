@@ -39,8 +39,12 @@ class OwnedWeight:
         *,
         offload: bool,
         device_sums: bool,
+        before_norms=lambda: None,
     ):
         self.param = param
+        # Called before the first norm of a step is taken (the conductor reduces the 1-D
+        # parameters' gradients over ranks then: torch's clip_grad_norm_ reads them next).
+        self.before_norms = before_norms
         self.group_index = group_index
         self.comm = comm
         self.out = param.shape[0]
@@ -102,6 +106,7 @@ class OwnedWeight:
         """The staged gradient's squared norm over every rank, before any scale (a float64
         0-d tensor). Reduces the gradient over ranks first, once per step."""
         if self._norm_sq is None:
+            self.before_norms()
             self.staging.finish()
             self._norm_sq = self.staging.norm_sq()
         return self._norm_sq
