@@ -9,13 +9,12 @@ import pytest
 import torch
 import transformers
 
-import zenflow
 from tests.test_huggingface_trainer import (
-    SETTINGS,
     assert_trained_alike,
     dataset,
     gpt2,
     parameters,
+    zenflow_adamw,
 )
 from zenflow.runtime.state_schema import saved_weights
 
@@ -48,9 +47,7 @@ def loop(
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
     model = gpt2()
     if zenflow_optimizer:
-        opt = zenflow.ZenFlowAdamW(
-            model.parameters(), lr=1e-2, weight_decay=0.0, step_backend="eager", **SETTINGS
-        )
+        opt = zenflow_adamw(model)
         model.compile(backend="zenflow", options={"inner": "eager"})
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
@@ -92,14 +89,7 @@ def test_clip_grad_norm_returns_the_true_global_norm_and_clips_the_staged_rows()
     assert opt.stats()["steps"] == STEPS and opt.stats()["reselections"] > 0
     # The same run with ZenFlowAdamW clipping itself: the clip reached the staged rows.
     mine = gpt2()
-    own = zenflow.ZenFlowAdamW(
-        mine.parameters(),
-        lr=1e-2,
-        weight_decay=0.0,
-        step_backend="eager",
-        max_grad_norm=MAX_NORM,
-        **SETTINGS,
-    )
+    own = zenflow_adamw(mine, max_grad_norm=MAX_NORM)
     schedule = transformers.get_linear_schedule_with_warmup(own, 0, STEPS)
     compiled = torch.compile(mine, backend="zenflow", options={"inner": "eager"})
     for ids in torch.utils.data.DataLoader(dataset(), batch_size=4, collate_fn=collate):
@@ -144,8 +134,6 @@ def test_moving_the_state_dict_to_a_device_leaves_the_host_state_where_it_is():
     host_tensors = [t for weight in held for t in weight["host"]]
     assert all(t.device.type == "cpu" for t in host_tensors)
     assert all(t.device.type == "meta" for vector in moved["vectors"] for t in vector)
-    fresh = zenflow.ZenFlowAdamW(
-        gpt2().parameters(), lr=1e-2, weight_decay=0.0, step_backend="eager", **SETTINGS
-    )
+    fresh = zenflow_adamw(gpt2())
     fresh.load_state_dict(accelerate.optimizer.move_to_device(state, torch.device("cpu")))
     assert fresh.stats()["steps"] == STEPS

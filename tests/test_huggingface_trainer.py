@@ -64,6 +64,13 @@ def arguments(tmp_path, **overrides) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(**values)
 
 
+def zenflow_adamw(model, **extra) -> zenflow.ZenFlowAdamW:
+    """The optimizer of every zenflow run here (no weight decay: Trainer's default)."""
+    return zenflow.ZenFlowAdamW(
+        model.parameters(), lr=1e-2, weight_decay=0.0, step_backend="eager", **SETTINGS, **extra
+    )
+
+
 class SeesTheGradients(transformers.TrainerCallback):
     """Records the type of an owned weight's ``.grad`` just before each optimizer step."""
 
@@ -76,9 +83,7 @@ class SeesTheGradients(transformers.TrainerCallback):
 
 def zenflow_trainer(tmp_path, compiled=True, eval_dataset=None, **overrides):
     model = gpt2()
-    opt = zenflow.ZenFlowAdamW(
-        model.parameters(), lr=1e-2, weight_decay=0.0, step_backend="eager", **SETTINGS
-    )
+    opt = zenflow_adamw(model)
     if compiled:
         model.compile(backend="zenflow", options={"inner": "eager"})
     watch = SeesTheGradients(model.transformer.h[0].mlp.c_fc.weight)
@@ -139,14 +144,7 @@ def test_trainer_clips_the_owned_weights_as_the_optimizer_would(tmp_path):
     assert set(watch.kinds) == {zenflow.StagedGradient}
     assert max(grad_norms(by_trainer)) > 1.0  # it clipped
     model = gpt2()
-    opt = zenflow.ZenFlowAdamW(
-        model.parameters(),
-        lr=1e-2,
-        weight_decay=0.0,
-        step_backend="eager",
-        max_grad_norm=1.0,
-        **SETTINGS,
-    )
+    opt = zenflow_adamw(model, max_grad_norm=1.0)
     model.compile(backend="zenflow", options={"inner": "eager"})
     by_optimizer = transformers.Trainer(
         model=model,

@@ -446,21 +446,21 @@ def _common_scale(weights: list[OwnedWeight]) -> float:
     """The factor the weights' staged gradients were multiplied by through ``.grad``
     (clip_grad_norm_'s coefficient): one for all, read once (1.0 where none was applied)."""
     scales = [w.gradient_scale() for w in weights]
-    if all(scale is None for scale in scales):
+    scaled = [scale for scale in scales if scale is not None]
+    if not scaled:
         return 1.0
-    if any(scale is None for scale in scales):
-        values = None
-    elif all(scale is scales[0] for scale in scales):
-        values = [scales[0].item()]
-    else:
-        values = torch.stack([s.to(scales[0].device) for s in scales]).tolist()
-    if values is None or any(value != values[0] for value in values):
-        raise RuntimeError(
-            "the .grad of some weights owned by ZenFlowAdamW was scaled (clip_grad_norm_, "
-            "mul_) and of others not, or by other factors: a step applies one factor to all "
-            "its staged gradients; scale them alike (clip_grad_norm_(model.parameters(), ...))"
-        )
-    return values[0]
+    if len(scaled) == len(scales):
+        if all(scale is scaled[0] for scale in scaled):  # clip_grad_norm_: one tensor for all
+            values = [scaled[0].item()]
+        else:
+            values = torch.stack([s.to(scaled[0].device) for s in scaled]).tolist()
+        if all(value == values[0] for value in values):
+            return values[0]
+    raise RuntimeError(
+        "the .grad of some weights owned by ZenFlowAdamW was scaled (clip_grad_norm_, "
+        "mul_) and of others not, or by other factors: a step applies one factor to all "
+        "its staged gradients; scale them alike (clip_grad_norm_(model.parameters(), ...))"
+    )
 
 
 def _window_rows(w: OwnedWeight) -> int:
