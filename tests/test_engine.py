@@ -121,6 +121,27 @@ def test_zenflow_less_configs_equal_torch_adamw(zero):
         assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+def test_plain_adamw_takes_torch_kernel_choice_from_the_config(kernel):
+    settings = config({"stage": 0})
+    settings["optimizer"]["params"][kernel] = True
+    engine, optimizer, _, _ = zenflow.initialize(model=mlp(), config=settings)
+    assert all(group[kernel] for group in optimizer.param_groups)
+    model = mlp().to(DEVICE)
+    baseline = torch.optim.AdamW(model.parameters(), **ADAMW, **{kernel: True})
+    train(engine, 3)
+    train_by_hand(model, baseline, 3, accumulation=2, clipping=0.5)
+    for mine, theirs in zip(engine.module.parameters(), model.parameters(), strict=True):
+        assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_and_foreach_together_are_refused():
+    settings = config({"stage": 0})
+    settings["optimizer"]["params"].update(fused=True, foreach=True)
+    with pytest.raises(zenflow.ConfigError, match="optimizer.params.fused: true with foreach"):
+        zenflow.initialize(model=mlp(), config=settings)
+
+
 def test_warmup_lr_from_the_config_steps_per_global_step_like_deepspeed():
     from deepspeed.runtime.lr_schedules import WarmupLR
 

@@ -34,10 +34,20 @@ class PlainAdamW(torch.optim.AdamW):
         *,
         max_grad_norm: float | None = None,
         nonfinite: str = "raise",
+        fused: bool | None = None,
+        foreach: bool | None = None,
     ):
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f'nonfinite must be "raise" or "skip", got {nonfinite!r}')
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            fused=fused,
+            foreach=foreach,
+        )
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
         self.last_step_skipped = False

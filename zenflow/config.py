@@ -84,7 +84,17 @@ class OffloadOptimizerConfig(Section):
     device: Literal["none", "cpu"] = "none"
     """"cpu" (ZeRO-Offload) or "none". DeepSpeed's "nvme" is not supported."""
     pin_memory: bool = True
-    """Use page-locked host buffers for the host-device copies."""
+    """zenflow pins its host buffers whenever the weights are on a GPU (pageable copies would
+    block the training thread), so false is ignored, with a notice."""
+
+    @model_validator(mode="after")
+    def _pinned_anyway(self) -> OffloadOptimizerConfig:
+        if not self.pin_memory:
+            notice(
+                "zero_optimization.offload_optimizer.pin_memory: false is ignored; zenflow pins "
+                "its host buffers whenever the weights are on a GPU"
+            )
+        return self
 
 
 class ZeroConfig(Section):
@@ -197,7 +207,7 @@ def _json(section: BaseModel | None) -> str:
 class AdamParams(Section):
     """``optimizer.params``. Defaults are DeepSpeed's CPU Adam defaults."""
 
-    ignored_keys = frozenset({"torch_adam", "fp32_optimizer_states", "foreach", "set_grad_none"})
+    ignored_keys = frozenset({"torch_adam", "fp32_optimizer_states", "set_grad_none"})
     key_hints = {"max_grad_norm": "not an optimizer parameter; use the top-level gradient_clipping"}
 
     lr: float = Field(1e-3, ge=0.0)
@@ -208,6 +218,11 @@ class AdamParams(Section):
     """With type "Adam": false asks for L2-style Adam (see OptimizerConfig)."""
     bias_correction: bool = True
     amsgrad: bool = False
+    fused: bool | None = None
+    """torch AdamW's kernel choice (as ``torch.optim.AdamW(fused=, foreach=)``), for a config
+    trained by the plain AdamW (no zenflow block, no offload, fp32): on the CPU torch's default
+    is its per-tensor loop, and fused is the fastest."""
+    foreach: bool | None = None
 
     @field_validator("betas")
     @classmethod
@@ -219,6 +234,8 @@ class AdamParams(Section):
 
     @model_validator(mode="after")
     def _supported(self) -> AdamParams:
+        if self.fused and self.foreach:
+            raise Problem("fused", "true with foreach true: torch's AdamW takes one of the two")
         if not self.bias_correction:
             raise Problem("bias_correction", "false is not supported by zenflow; remove it")
         if self.amsgrad:
@@ -680,6 +697,12 @@ class ZenFlowConfig(Section):
     @property
     def weight_decay(self) -> float:
         return self.optimizer.params.weight_decay
+
+    @property
+    def adamw_kernel(self) -> dict:
+        """``fused`` / ``foreach`` as set for torch's AdamW (the plain optimizer only)."""
+        params = self.optimizer.params
+        return {k: v for k, v in (("fused", params.fused), ("foreach", params.foreach)) if v}
 
     def with_steps_per_epoch(self, steps_per_epoch: int | None) -> ZenFlowConfig:
         """A copy with the zenflow select interval resolved (see ``ZenFlowSettings.with_steps_per_epoch``).

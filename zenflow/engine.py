@@ -497,7 +497,7 @@ def _build_optimizer(config: ZenFlowConfig, params) -> ZenFlowAdamW | PlainAdamW
     elif settings is None and (config.bf16.enabled or config.fp16.enabled):
         settings = _ON_DEVICE_ONLY  # 16-bit weights need fp32 masters, fp16 an overflow check
     if settings is None:
-        return PlainAdamW(params, **hyper, **common)
+        return PlainAdamW(params, **hyper, **common, **config.adamw_kernel)
     return ZenFlowAdamW(
         params,
         **hyper,
