@@ -16,7 +16,9 @@ Data: fixed random token batches (the step time does not depend on what is learn
 Rows, each in its own process (DeepSpeed initializes torch.distributed; the rows must not share
 a process group, a compile cache in memory or CPU threads):
   zenflow          torch.compile(model, backend="zenflow") (Inductor) + zenflow.ZenFlowAdamW
-                   (topk 0.1, update_interval 4, select_interval 8, overlap_step) on the bf16 model
+                   (topk 0.1, update_interval 4, select_interval 8, overlap_step) on the bf16 model;
+                   accumulate_on_device as "auto" decides (on for one GPU rank where the window
+                   sums fit: stats()["accumulate_on_device"] says)
   ds-offload       DeepSpeed ZeRO stage 2, offload_optimizer cpu (pinned), bf16, AdamW through
                    DeepSpeedCPUAdam (built just in time on first use), overlap_comm and
                    contiguous_gradients as DeepSpeed's offload tutorial sets them; eager model
@@ -24,7 +26,7 @@ a process group, a compile cache in memory or CPU threads):
                    with zenflow's settings (select_strategy "step"); eager model
   adamw            no offload: the bf16 model compiled by Inductor, fp32 master weights and
                    torch.optim.AdamW(fused=True) on the GPU (grads cast to fp32, masters copied back)
-  zenflow-devsum   (optional) zenflow with accumulate_on_device: window sums on the GPU
+  zenflow-hostsum  (optional) zenflow with accumulate_on_device false: window sums on the host
   zenflow-offload  (optional) zenflow with topk 0, update_interval 1: ZeRO-Offload through zenflow
 
 Measured per row, after --warmup steps (zenflow: one select cycle, which includes compilation):
@@ -59,7 +61,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PEERS = ("zenflow", "ds-offload", "ds-zenflow", "adamw", "zenflow-devsum", "zenflow-offload")
+PEERS = ("zenflow", "ds-offload", "ds-zenflow", "adamw", "zenflow-hostsum", "zenflow-offload")
 DEFAULT_PEERS = "zenflow,ds-offload,ds-zenflow,adamw"
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 ZENFLOW = dict(topk_ratio=0.1, update_interval=4, select_interval=8, overlap_step=True)
@@ -132,8 +134,8 @@ class _ZenFlow:
         import zenflow
 
         settings = dict(ZENFLOW)
-        if peer == "zenflow-devsum":
-            settings["accumulate_on_device"] = True
+        if peer == "zenflow-hostsum":
+            settings["accumulate_on_device"] = False
         if peer == "zenflow-offload":
             settings = dict(topk_ratio=0.0, update_interval=1, select_interval=1)
         self.settings = settings
@@ -372,6 +374,20 @@ def _write_json(path: Path, record: dict) -> None:
     tmp.replace(path)
 
 
+def _check_zenflow_did_its_work(settings: dict, counted: dict, steps: int) -> None:
+    """A zenflow row whose timed steps moved nothing or skipped its CPU updates or reselections
+    timed something else (say, an op Inductor dropped from the backward): it fails."""
+    expected = dict(cpu_updates=steps // settings["update_interval"], reselections=0)
+    if settings["topk_ratio"] > 0:
+        expected["reselections"] = steps // settings["select_interval"]
+    seen = {key: counted.get(key, 0) for key in expected}
+    if counted.get("d2h_bytes", 0) <= 0 or seen != expected:
+        raise RuntimeError(
+            f"the timed steps did not do zenflow's work: d2h_bytes {counted.get('d2h_bytes', 0)} "
+            f"(expected > 0), {seen} (expected {expected})"
+        )
+
+
 def _worker(args, peer: str) -> int:
     started = time.perf_counter()
     out = Path(args.out)
@@ -494,6 +510,8 @@ def _worker(args, peer: str) -> int:
             f"[{peer}] median step {1000 * record['median_s']:.1f} ms over {args.steps} steps",
             flush=True,
         )
+        if isinstance(runner, _ZenFlow):
+            _check_zenflow_did_its_work(runner.settings, delta, args.steps)
 
         profile_steps = args.profile_steps
         if profile_steps is None:
@@ -532,7 +550,8 @@ def _summarize(args) -> str:
         path = out / f"bench_{name}.json"
         if path.exists():
             records[name] = json.loads(path.read_text())
-    ours = records.get("zenflow", {}).get("median_s")
+    zenflow_row = records.get("zenflow", {})
+    ours = zenflow_row.get("mean_s") if zenflow_row.get("status") == "done" else None
     first = next(iter(records.values()), {})
     lines = [
         "# bench_gpu_step: one GPT training step, zenflow vs DeepSpeed ZeRO-Offload vs no offload",
@@ -576,7 +595,9 @@ def _summarize(args) -> str:
                     _mb(measured),
                     f"{mem:.1f} GB" if mem is not None else "n/a",
                     f"{r['setup_s']:.0f}s" if r.get("setup_s") else "n/a",
-                    f"{median / ours:.2f}x" if median and ours else "n/a",
+                    f"{r['mean_s'] / ours:.2f}x"
+                    if ours and r.get("status") == "done" and r.get("mean_s")
+                    else "n/a",
                 ]
             )
             + " |"
@@ -615,7 +636,8 @@ def _summarize(args) -> str:
         "events around forward + backward / step wall time. bytes/step: zenflow stats(), '~' "
         "analytic (ZeRO-Offload: bf16 grads down + bf16 weights up; DeepSpeed ZenFlow: grads down, "
         "unselected weights up once per window); profiler: memcpy HtoD + DtoH. "
-        "row / zenflow: the row's median over zenflow's (above 1: zenflow is faster).",
+        "row / zenflow: the row's mean step over zenflow's, both over whole select cycles (above "
+        "1: zenflow is faster); a row that did not finish claims none.",
     ]
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)

@@ -348,17 +348,30 @@ def test_bf16_model_trains_on_cuda(cuda_fp32):
 
 @pytest.mark.parametrize(
     "settings",
-    [dict(), dict(overlap_step=True), dict(accumulate_on_device=True), dict(topk_ratio=0.0)],
-    ids=["default", "overlap", "device-sums", "plain-offload"],
+    [
+        dict(accumulate_on_device=False),
+        dict(accumulate_on_device=False, overlap_step=True),
+        dict(accumulate_on_device=True),
+        dict(accumulate_on_device=False, topk_ratio=0.0),
+    ],
+    ids=["host-sums", "overlap", "device-sums", "plain-offload"],
 )
 def test_stats_byte_counts_are_the_same_on_cpu_and_cuda(cuda_fp32, settings):
     # (With offload=True they differ by design: on a CPU the "device" state is already on the
-    # host, so nothing crosses; see the GPU check's notes.)
+    # host, so nothing crosses; see the GPU check's notes. accumulate_on_device is set: "auto"
+    # decides differently on the two.)
     _, on_cpu = zenflow_run(torch.device("cpu"), "eager", flush=True, **settings)
     _, on_gpu = zenflow_run(cuda_fp32, "eager", flush=True, **settings)
     keys = ("steps", "selected_fraction", "reselections", "cpu_updates", "d2h_bytes", "h2d_bytes")
     assert {k: on_gpu.stats()[k] for k in keys} == {k: on_cpu.stats()[k] for k in keys}
     assert on_gpu.stats()["d2h_bytes"] > 0 and on_gpu.stats()["h2d_bytes"] > 0
+
+
+def test_device_sums_are_on_by_default_for_one_gpu_rank(cuda_fp32):
+    _, by_default = zenflow_run(cuda_fp32, "eager", flush=True)
+    _, host_sums = zenflow_run(cuda_fp32, "eager", flush=True, accumulate_on_device=False)
+    assert by_default.stats()["accumulate_on_device"] is True
+    assert by_default.stats()["d2h_bytes"] < host_sums.stats()["d2h_bytes"]
 
 
 # NCCL with one rank.

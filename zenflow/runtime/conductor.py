@@ -16,10 +16,11 @@ import math
 
 import torch
 
-from zenflow.columns import has_columns, select_top_columns, topk_count
+from zenflow.columns import column_count, has_columns, select_top_columns, topk_count
 from zenflow.runtime import auto_interval, cpu_adam, schedule
 from zenflow.runtime.comm import CollectiveError, DataParallel
 from zenflow.runtime.cpu_jobs import SUMS_QUEUED, CPUJobs
+from zenflow.runtime.device_sums import device_sums_for, sums_bytes
 from zenflow.runtime.nonfinite import clip_coefficient
 from zenflow.runtime.owned_weight import OwnedWeight
 from zenflow.runtime.pending_update import UpdateEntry
@@ -47,7 +48,8 @@ def _traced(name: str):
 
 class Conductor:
     """Owns the weights (``weights``: ``OwnedWeight``) and 1-D parameters (``vectors``) of
-    one optimizer's param groups, the schedule's progress (``committed_steps``,
+    one optimizer's param groups, whether their windows' sums stay on the device
+    (``device_sums``, decided once), the schedule's progress (``committed_steps``,
     ``window_steps``, the "auto" rule's state), the windows' CPU updates (``updates``), the
     pool settings and queued sums (``jobs``), the counters behind ``stats()``, and the
     failure that stops it (``failure``: set when a CPU job or a collective failed, which left
@@ -87,6 +89,7 @@ class Conductor:
             cpu_accumulate_s=0.0,
         )
         self.jobs = CPUJobs(settings.pt_reserved_cores_perc, self.counters)
+        self.device_sums = _device_sums(param_groups, settings, comm)
         self.weights: list[OwnedWeight] = []
         self.vectors: list[VectorState] = []
         for group_index, group in enumerate(param_groups):
@@ -100,7 +103,7 @@ class Conductor:
                             group_index,
                             comm,
                             offload=settings.offload,
-                            device_sums=settings.accumulate_on_device,
+                            device_sums=self.device_sums.on,
                             before_norms=self._reduce_vector_grads,
                         )
                     )
@@ -427,6 +430,7 @@ class Conductor:
             window_steps=self.window_steps,
             updates_in_flight=len(self.updates.pending),
             host_columns=sum(w.layout.block_rows for w in self.weights),
+            accumulate_on_device=self.device_sums.on,
             **self.counters,
         )
 
@@ -440,6 +444,15 @@ class Conductor:
                     f"after the optimizer was created (it had {v.master.numel()} elements); "
                     "create the optimizer after the last change to the model"
                 )
+
+
+def _device_sums(param_groups, settings: ZenFlowSettings, comm: DataParallel):
+    """``accumulate_on_device`` decided for these parameters (``zenflow.runtime.device_sums``)."""
+    trained = [p for g in param_groups for p in g["params"] if p.requires_grad]
+    shapes = [(p.shape[0], column_count(p.shape)) for p in trained if has_columns(p)]
+    needed = sums_bytes(shapes, lambda columns: topk_count(settings.topk_ratio, columns))
+    device = trained[0].device if trained else torch.device("cpu")
+    return device_sums_for(settings.accumulate_on_device, device, comm.world_size, needed)
 
 
 def _common_scale(weights: list[OwnedWeight]) -> float:
