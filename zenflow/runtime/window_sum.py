@@ -20,10 +20,12 @@ import torch
 
 from zenflow.runtime.cpu_adam import GatheredRows
 from zenflow.runtime.staging.contributions import Contribution, Factors, HostRows, as_tensor
+from zenflow.runtime.streams import PendingCopy, copy_stream
 
 
 class WindowSum:
-    """Owns the window's sum and its spare buffer, the last step's rows (``last``, with their
+    """Owns the window's sum and its spare buffer, the host buffer a device-side sum is shipped
+    into, the last step's rows (``last``, with their
     block's release), the deferred factors, and whether any step joined since the last close
     (``open``)."""
 
@@ -31,6 +33,7 @@ class WindowSum:
         self.device = device  # where the sum is kept
         self.sum: torch.Tensor | None = None
         self._spare: torch.Tensor | None = None
+        self._shipped: torch.Tensor | None = None  # device-side sums: the host copy's buffer
         self.last: HostRows | None = None
         self.deferred: list[Factors] = []
         self.open = False
@@ -100,13 +103,21 @@ class WindowSum:
         if taken is not self.sum and self.sum is not None and taken.shape == self.sum.shape:
             self._spare = taken
 
-    def ship(self, dtype: torch.dtype) -> torch.Tensor:
-        """Device-side sums: the window's sum in ``dtype`` on the host; the device sum starts
-        the next window at zero."""
-        shipped = self.sum.to("cpu", dtype, copy=True)
+    def ship(self, dtype: torch.dtype) -> PendingCopy:
+        """Device-side sums: the window's sum in ``dtype`` on its way to the host buffer kept
+        for it (pinned on a GPU), through the copy stream, so that the host waits once for
+        every weight's; the device sum starts the next window at zero. The buffer is written
+        again at the next window's close, after the update reading it was applied."""
+        converted = self.sum.to(dtype, copy=True)
+        shipped = self._shipped
+        if shipped is None or shipped.shape != converted.shape or shipped.dtype != dtype:
+            pin = self.device.type == "cuda"
+            shipped = torch.empty(converted.shape, dtype=dtype, pin_memory=pin)
+            self._shipped = shipped
+        pending = copy_stream(self.device).copy_to_host(converted, out=shipped, owned=True)
         self.sum.zero_()
         self.open = False
-        return shipped
+        return pending
 
     def state_dict(self) -> dict:
         return {

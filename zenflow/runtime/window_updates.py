@@ -33,14 +33,12 @@ class WindowUpdates:
     ) -> PendingUpdate:
         """Queue the update of one param group's ``weights`` (``hyper``: its AdamW settings,
         the learning rate already scaled for the window)."""
-        entries, sums, lasts = [], [], []
+        entries, sums, lasts, shipping = [], [], [], []
         for w in weights:
             w.state.host_steps[w.layout.k_local :] += 1
             rounded = w.new_rounded_rows()
             if w.device_sums:
-                shipped = w.window.ship(w.param.dtype)
-                self.counters["d2h_bytes"] += shipped.numel() * shipped.element_size()
-                sums.append(shipped)
+                shipping.append(w.window.ship(w.param.dtype))
                 entries.append(UpdateEntry.of(w, rounded, None, None))
             else:
                 # The job reads (then zeroes) this window's sum while the next window fills
@@ -49,6 +47,11 @@ class WindowUpdates:
                 sums.append(window_sum)
                 lasts.append(None if last is None else last.rows)
                 entries.append(UpdateEntry.of(w, rounded, window_sum, last))
+        # The pool reads the shipped sums: every copy must have landed (they land in order).
+        for pending in shipping:
+            shipped = pending.wait()
+            self.counters["d2h_bytes"] += shipped.numel() * shipped.element_size()
+            sums.append(shipped)
         unselected = [w.state.unselected(w.layout) for w in weights]
         masters, exp_avgs, exp_avg_sqs, steps = (
             list(part) for part in zip(*unselected, strict=True)
