@@ -8,6 +8,7 @@ from torch.testing import assert_close
 
 from tests.models import batches, build, loss_of
 from zenflow.columns import select_top_columns
+from zenflow.notices import reset_notices
 from zenflow.optimizer import ZenFlowAdamW
 from zenflow.reference import ReferenceZenFlowAdamW
 from zenflow.runtime import cpu_adam
@@ -454,3 +455,26 @@ def test_update_interval_auto_equals_the_oracles(overlap_step, staging):
     assert opt.stats()["cpu_updates"] == oracle.cpu_updates
     assert 36 / 5 < oracle.cpu_updates < 36 / 2  # windows of more than one length
     assert_close(list(model.parameters()), list(oracle_model.parameters()), rtol=1e-5, atol=1e-6)
+
+
+def test_optimizers_past_the_recompile_limit_step_eagerly_with_a_notice(caplog):
+    """Each optimizer's device step is a graph of its own tensor shapes; a process that builds
+    more of them than Dynamo recompiles for (a sweep) keeps training."""
+    torch._dynamo.reset()
+    reset_notices()
+    runs = {}
+    with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level("WARNING", "zenflow"):
+        for width in (6, 10):  # the second shape set is past the limit of 1
+            for backend in ("inductor", "eager"):
+                torch.manual_seed(0)
+                model = torch.nn.Linear(width, 3)
+                opt = ZenFlowAdamW(model.parameters(), step_backend=backend, **SETTINGS)
+                for i in range(3):
+                    x = torch.randn(4, width, generator=torch.Generator().manual_seed(i))
+                    model(x).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                runs[width, backend] = model.weight.detach().clone()
+    for width in (6, 10):
+        assert_close(runs[width, "inductor"], runs[width, "eager"], rtol=1e-6, atol=1e-7)
+    assert any("recompile limit" in r.getMessage() for r in caplog.records)

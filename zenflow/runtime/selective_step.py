@@ -18,6 +18,9 @@ them after the step).
 import functools
 
 import torch
+from torch._dynamo.exc import FailOnRecompileLimitHit
+
+from zenflow.notices import notice
 
 
 def row_constants(
@@ -123,8 +126,24 @@ def step_backend_for(requested: str, device: torch.device) -> str:
 @functools.cache
 def compiled_selective_adamw(backend: str):
     """``selective_adamw_`` with its element loop compiled by ``backend`` ("inductor"), or as
-    is for "eager"."""
+    is for "eager".
+
+    One compiled loop serves every optimizer of the process, a graph per set of tensor shapes
+    (per param group and model): past Dynamo's recompile limit (8 by default; a sweep that
+    builds many optimizers reaches it) a new set runs the same loop eagerly, with a notice,
+    where ``fullgraph`` would otherwise fail the step."""
     if backend == "eager":
         return selective_adamw_
-    elements = torch.compile(adamw_elements_, backend=backend, fullgraph=True, dynamic=False)
+    compiled = torch.compile(adamw_elements_, backend=backend, fullgraph=True, dynamic=False)
+
+    def elements(*args):
+        try:
+            return compiled(*args)
+        except FailOnRecompileLimitHit:  # raised before the loop ran: nothing was updated
+            notice(
+                "the device step's compiled loop reached torch._dynamo's recompile limit; "
+                "optimizers with new tensor shapes run it eagerly"
+            )
+            return adamw_elements_(*args)
+
     return functools.partial(selective_adamw_, elements=elements)
