@@ -9,9 +9,11 @@ Two cases per size:
             bf16 copy of p (36 bytes per element). zenflow does it in one fused pass; the peers
             in separate passes with their own ops (torch fused folds / n into its step).
 Each round times every implementation once, in turn (after a short pause), so machine noise
-hits all of them alike; the table shows the best and the median round. GB/s = the case's bytes per element / best time
-(the same bytes for every row, so GB/s compares work done, not traffic). "vs best peer" =
-best peer time / this row's time. "copy" is torch's copy_ of the same number of bytes.
+hits all of them alike; the table shows the best and the median round. Gelem/s and GB/s = the
+case's elements and bytes per element over the median time (the same bytes for every row, so
+GB/s compares work done, not traffic). "vs best peer" = the best peer's median / this row's
+median. Thread counts are pinned equal: torch.set_num_threads, OMP_NUM_THREADS (DeepSpeed's
+kernels) and zenflow's pool (``CPUAdamW(threads=)``) all get --threads. "copy" is torch's copy_ of the same number of bytes.
 """
 
 import argparse
@@ -32,7 +34,7 @@ def _args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10M,50M", help="comma-separated element counts")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=5, help="timed rounds per case")
+    parser.add_argument("--reps", type=int, default=7, help="timed rounds per case")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam")
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: 1M elements, 2 rounds, no DeepSpeed"
@@ -82,7 +84,7 @@ def adamw_case(numel, ds_adam):
     """name -> callable doing one fp32 AdamW step, each on its own parameter and state."""
     cases = {}
     p = _param(numel)
-    opt = CPUAdamW([p], **HYPER)
+    opt = CPUAdamW([p], **HYPER, threads=ARGS.threads)
     cases["zenflow.CPUAdamW"] = opt.step
     if ds_adam is not None:
         p = _param(numel)
@@ -130,7 +132,8 @@ def boundary_case(numel, ds_adam):
         return run
 
     p, acc, out = buffers()
-    cases["zenflow CPUAdamW, 4 passes"] = multi_pass(CPUAdamW([p], **HYPER), p, acc, out)
+    opt = CPUAdamW([p], **HYPER, threads=ARGS.threads)
+    cases["zenflow CPUAdamW, 4 passes"] = multi_pass(opt, p, acc, out)
     if ds_adam is not None:
         p, acc, out = buffers()
         opt = ds_adam([p], adamw_mode=True, **HYPER)
@@ -169,17 +172,18 @@ def copy_case(numel, bytes_per_elem):
 
 def table(title, numel, bytes_per_elem, times):
     best = {name: min(t) for name, t in times.items()}
-    peers = [b for name, b in best.items() if not name.startswith(("zenflow", "copy"))]
+    median = {name: statistics.median(t) for name, t in times.items()}
+    peers = [m for name, m in median.items() if not name.startswith(("zenflow", "copy"))]
     best_peer = min(peers) if peers else float("nan")
     header = f"| {'implementation':<32} | best ms | median ms | Gelem/s |  GB/s | vs best peer |"
     lines = [f"{title}, {numel / 1e6:g}M elements, {bytes_per_elem} B/element", "", header]
     lines.append("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
-    for name, t in times.items():
+    for name in times:
         b = best[name]
         lines.append(
-            f"| {name:<32} | {b * 1e3:7.2f} | {statistics.median(t) * 1e3:9.2f} "
-            f"| {numel / b / 1e9:7.3f} | {numel * bytes_per_elem / b / 1e9:5.1f} "
-            f"| {best_peer / b:11.2f}x |"
+            f"| {name:<32} | {b * 1e3:7.2f} | {median[name] * 1e3:9.2f} "
+            f"| {numel / median[name] / 1e9:7.3f} | {numel * bytes_per_elem / median[name] / 1e9:5.1f} "
+            f"| {best_peer / median[name]:11.2f}x |"
         )
     return "\n".join(lines)
 

@@ -15,6 +15,7 @@ from torch.optim.adamw import adamw as torch_adamw
 
 from tests.forked import result_in_forked_child
 from zenflow.cpu_adamw import CPUAdamW
+from zenflow.optimizer import ZenFlowAdamW
 from zenflow.runtime import cpu_adam
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -664,3 +665,37 @@ def test_gathered_rows_reject_bad_indices(index, error, match):
     source = torch.zeros(6, 4)
     with pytest.raises(error, match=match):
         cpu_adam.submit_accumulate([torch.zeros(8)], [cpu_adam.GatheredRows(source, index)])
+
+
+@pytest.fixture
+def pool_settings_restored():
+    saved = cpu_adam.get_num_threads(), cpu_adam.get_worker_nice()
+    yield
+    cpu_adam.set_num_threads(saved[0])
+    cpu_adam.set_worker_nice(saved[1])
+
+
+def test_a_step_uses_every_allowed_core_at_normal_priority_after_zenflow_set_the_pool(
+    pool_settings_restored,
+):
+    ZenFlowAdamW([torch.nn.Parameter(torch.randn(8, 4))], topk_ratio=0.5, update_interval=2)
+    assert cpu_adam.get_worker_nice() > 0  # overlapped updates run beside training
+    p = torch.nn.Parameter(torch.randn(64))
+    p.grad = torch.randn(64)
+    CPUAdamW([p], lr=1e-2).step()
+    assert cpu_adam.get_num_threads() == cpu_adam.available_cores()
+    assert cpu_adam.get_worker_nice() == 0
+
+
+def test_cores_come_from_the_affinity_mask():
+    script = (
+        "import os; os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
+        "import torch, zenflow\n"
+        "from zenflow.runtime import cpu_adam\n"
+        "opt = zenflow.CPUAdamW([torch.nn.Parameter(torch.ones(4))])\n"
+        "print(cpu_adam.available_cores(), opt.threads, cpu_adam.threads_from_reserved_cores(0))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.stdout.split() == ["1", "1", "1"], result.stderr

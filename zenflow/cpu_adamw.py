@@ -41,8 +41,10 @@ class CPUAdamW(torch.optim.Optimizer):
     """AdamW with decoupled weight decay and bias correction, as ``torch.optim.AdamW``.
 
     Parameters must be contiguous fp32 CPU tensors; gradients fp32. Each param group may set its
-    own lr, betas, eps and weight_decay (read at every step, so LR schedulers work). Threads come
-    from :func:`zenflow.runtime.cpu_adam.set_num_threads`.
+    own lr, betas, eps and weight_decay (read at every step, so LR schedulers work). ``threads``:
+    how many of the process-wide pool's threads run its steps (default: every core of the
+    process's affinity mask), at normal priority, as torch's and DeepSpeed's CPU optimizers use
+    every core they may; each step sets the pool so (``zenflow.runtime.cpu_adam``).
 
     While a ``step_async()`` is in flight, parameters, gradients and state must not be modified:
     call its handle's ``wait()`` before the next ``step()`` or ``step_async()`` (which raise
@@ -57,7 +59,12 @@ class CPUAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.01,
+        *,
+        threads: int | None = None,
     ):
+        if threads is not None and threads < 1:
+            raise ValueError(f"Invalid thread count: {threads}")
+        self.threads = cpu_adam.available_cores() if threads is None else threads
         if not 0.0 <= float(lr):
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -112,6 +119,8 @@ class CPUAdamW(torch.optim.Optimizer):
         handle's ``wait()`` before touching parameters or gradients, and before the next step."""
         self._check_not_in_flight("step_async()")
         self._pending = None  # waited for: its failure, if any, was raised there
+        cpu_adam.set_num_threads(self.threads)  # both no-ops when already so
+        cpu_adam.set_worker_nice(0)
         jobs = []
         for group_index, group in enumerate(self.param_groups):
             job = self._group_job(group, group_index)

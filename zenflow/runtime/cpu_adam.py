@@ -55,6 +55,7 @@ __all__ = [
     "CPUAdamHandle",
     "GatheredRows",
     "adamw_step",
+    "available_cores",
     "boundary_adamw_step",
     "get_num_threads",
     "get_worker_nice",
@@ -186,12 +187,21 @@ def _load():
         return lib
 
 
+def available_cores() -> int:
+    """The cores this process may run on: its affinity mask (``taskset``, a container's CPU
+    set), not every core of the machine."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 def threads_from_reserved_cores(perc: float, cpu_count: int | None = None) -> int:
     """Worker threads left when ``perc`` of the cores stay with the training thread
-    (ZenFlow's ``pt_reserved_cores_perc``): ``max(1, int(cpu_count * (1 - perc)))``."""
+    (ZenFlow's ``pt_reserved_cores_perc``): ``max(1, int(cpu_count * (1 - perc)))``, of the
+    ``available_cores()`` by default."""
     if not 0.0 <= perc <= 1.0:
         raise ValueError(f"pt_reserved_cores_perc must be in [0, 1], got {perc}")
-    cpus = (os.cpu_count() or 1) if cpu_count is None else cpu_count
+    cpus = available_cores() if cpu_count is None else cpu_count
     return max(1, int(cpus * (1.0 - perc)))
 
 

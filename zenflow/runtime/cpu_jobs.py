@@ -8,7 +8,6 @@ training thread waited (``optimizer_wait_s``) and how long each kind of job ran 
 """
 
 import contextlib
-import os
 import time
 from collections.abc import Callable
 
@@ -48,7 +47,7 @@ class CPUJobs:
     def every_core(self):
         """For jobs the training thread waits for: the cores it keeps for itself would idle
         meanwhile, so the pool uses them too, at normal priority."""
-        cpu_adam.set_num_threads(os.cpu_count() or 1)
+        cpu_adam.set_num_threads(cpu_adam.available_cores())
         cpu_adam.set_worker_nice(0)
         try:
             yield
