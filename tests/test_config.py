@@ -875,3 +875,15 @@ def test_public_names():
     assert zenflow.ZenFlowConfig is ZenFlowConfig
     assert zenflow.ConfigError is ConfigError
     assert zenflow.build_lr_scheduler is build_lr_scheduler
+
+
+def test_pin_memory_false_loads_with_a_notice_that_it_is_ignored(caplog):
+    config = copy.deepcopy(EX)
+    config["zero_optimization"]["offload_optimizer"]["pin_memory"] = False
+    reset_notices()
+    with caplog.at_level(logging.WARNING, logger="zenflow"):
+        load_config(config)
+    assert [n for n in notices(caplog) if "offload_optimizer" in n] == [
+        "zenflow: zero_optimization.offload_optimizer.pin_memory: false is ignored; zenflow "
+        "pins its host buffers whenever the weights are on a GPU"
+    ]
