@@ -46,6 +46,7 @@ def test_auto_is_on_for_one_gpu_rank_while_the_sums_fit_a_quarter_of_free_memory
     too_big = device_sums_for("auto", GPU, 1, fits + 1, free)
     assert not too_big.on and "at most 25%" in too_big.reason
     assert not device_sums_for("auto", GPU, 2, 1, free).on
+    assert not device_sums_for("auto", GPU, 1, 1, free, offload=True).on
     assert not device_sums_for("auto", torch.device("cpu"), 1, 1, free).on
     assert device_sums_for(True, torch.device("cpu"), 1, 1 << 40, free).on
 

@@ -159,8 +159,8 @@ class ZenFlowSettings(Section):
     accumulate_on_device: bool | Literal["auto"] = "auto"
     """zenflow extension: sum unselected gradients on the device (fp32) and ship each window's
     sum once, instead of every step's gradient (less traffic, more device memory; one rank).
-    "auto": on with one rank, weights on a GPU and sums within a quarter of the free device
-    memory (``zenflow.runtime.device_sums``)."""
+    "auto": on with one rank, no offload, weights on a GPU and sums within a quarter of the
+    free device memory (``zenflow.runtime.device_sums``)."""
     min_update_interval: Int | None = Field(None, ge=1)
     """zenflow extension: the shortest window update_interval "auto" may choose (a window cut by
     a reselection may be shorter), so that it never runs more CPU updates than this fixed

@@ -452,7 +452,9 @@ def _device_sums(param_groups, settings: ZenFlowSettings, comm: DataParallel):
     shapes = [(p.shape[0], column_count(p.shape)) for p in trained if has_columns(p)]
     needed = sums_bytes(shapes, lambda columns: topk_count(settings.topk_ratio, columns))
     device = trained[0].device if trained else torch.device("cpu")
-    return device_sums_for(settings.accumulate_on_device, device, comm.world_size, needed)
+    return device_sums_for(
+        settings.accumulate_on_device, device, comm.world_size, needed, offload=settings.offload
+    )
 
 
 def _common_scale(weights: list[OwnedWeight]) -> float:

@@ -7,6 +7,7 @@ every step's rows. They cost device memory: an fp32 sum of every weight's unsele
 optimizer takes its parameters:
 
 * one rank (with several, the sums would need their own reduction);
+* no ``offload`` (which asks to keep even the selected columns' state off the device);
 * the weights on a GPU (on the CPU, host and device memory are the same: nothing to save);
 * the sums take at most ``DEVICE_SUMS_SHARE`` of the device memory not yet allocated.
 """
@@ -37,6 +38,7 @@ def device_sums_for(
     world_size: int,
     needed_bytes: int,
     free_bytes: int | None = None,
+    offload: bool = False,
 ) -> DeviceSums:
     """``requested`` True or False as given; "auto" by the rule above. ``free_bytes``: the
     device memory not yet allocated (asked of the device when None)."""
@@ -46,6 +48,8 @@ def device_sums_for(
         return DeviceSums(bool(requested), "set")
     if world_size > 1:
         return DeviceSums(False, f"auto: off with {world_size} ranks")
+    if offload:
+        return DeviceSums(False, "auto: off with offload")
     if device.type != "cuda":
         return DeviceSums(False, f"auto: off, the weights are on the {device.type}")
     if free_bytes is None:
