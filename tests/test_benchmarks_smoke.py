@@ -3,6 +3,8 @@
 Nothing here is timed against a threshold; the scripts only print tables.
 """
 
+import json
+
 from tests.python_process import ROOT, stdout_of
 
 
@@ -14,6 +16,32 @@ def test_bench_step_quick():
     out = _run("bench_step.py")
     assert "median step" in out and "zenflow / row" in out
     assert "\nzenflow " in out
+
+
+def test_bench_accuracy_quick(tmp_path):
+    """After test_bench_step_quick: DeepSpeed's CPU Adam is built by then."""
+    out = _run("bench_accuracy.py", "--out-dir", str(tmp_path))
+    report = json.loads((tmp_path / "bench_accuracy.json").read_text())
+    assert set(report) == {"fine-tune", "char-lm", "classify"}
+    assert (tmp_path / "bench_accuracy.png").read_bytes().startswith(b"\x89PNG")
+    for name, task in report.items():
+        assert f"## {name}: held-out loss, AdamW {task['adamw']['loss']:.4f}" in out
+        (zenflow,) = task["rows"]["zenflow"]
+        (deepspeed,) = task["rows"]["ds-zenflow"]
+        assert "error" not in deepspeed, deepspeed
+        assert zenflow["settings"] == deepspeed["settings"]
+        cells = [
+            f"{r['loss']:.4f} {r['loss'] / task['adamw']['loss']:.3f}x"
+            for r in (zenflow, deepspeed)
+        ]
+        row = next(
+            line
+            for line in out.splitlines()
+            if line.startswith("topk 0.1 / every 4") and cells[0] in line
+        )
+        assert cells[1] in row
+        # Same weights, same batches, other optimizers: every row lands elsewhere.
+        assert len({task["adamw"]["loss"], zenflow["loss"], deepspeed["loss"]}) == 3
 
 
 def test_bench_compile_overhead_quick():
