@@ -478,3 +478,35 @@ def test_optimizers_past_the_recompile_limit_step_eagerly_with_a_notice(caplog):
     for width in (6, 10):
         assert_close(runs[width, "inductor"], runs[width, "eager"], rtol=1e-6, atol=1e-7)
     assert any("recompile limit" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("overlap_step", [False, True])
+def test_blocking_updates_count_the_jobs_a_call_submitted_and_waited_for(overlap_step):
+    """Windows close after steps 2, 4, 6 and 8; 4 and 8 are select boundaries, where the
+    update is applied at once, overlap or not. flush() waits for the job it submits."""
+    model = build("mlp")
+    settings = dict(SETTINGS, overlap_step=overlap_step)
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **settings)
+    train(model, opt, batches("mlp", 8))
+    stats = opt.stats()
+    assert stats["cpu_updates"] == 4
+    assert stats["blocking_updates"] == (2 if overlap_step else 4)
+    opt.flush()  # nothing open: nothing submitted
+    assert opt.stats()["blocking_updates"] == stats["blocking_updates"]
+    train(model, opt, batches("mlp", 1, seed=2))
+    opt.flush()
+    stats = opt.stats()
+    assert stats["blocking_updates"] == (3 if overlap_step else 5)
+    phases = ("ordinary", "select", "window_close", "select_boundary", "warm_up", "flush")
+    waits = [stats[f"optimizer_wait_s_{phase}"] for phase in (*phases, "state_dict")]
+    assert sum(waits) == pytest.approx(stats["optimizer_wait_s"], rel=1e-9, abs=1e-12)
+    assert stats["optimizer_wait_s_flush"] > 0 and stats["optimizer_wait_s_warm_up"] == 0
+
+
+def test_warm_up_steps_block_on_their_cpu_update():
+    model = build("mlp")
+    opt = ZenFlowAdamW(
+        model.parameters(), step_backend="eager", **dict(SETTINGS, full_warm_up_rounds=2)
+    )
+    train(model, opt, batches("mlp", 2))
+    assert opt.stats()["blocking_updates"] == 2 and opt.stats()["cpu_updates"] == 2

@@ -204,10 +204,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         steps (committed), selected_fraction (of the owned weights' elements, now),
         window_steps (steps in the open window), updates_in_flight (overlapped CPU updates not
         yet applied), host_columns (columns whose host state this rank holds), skipped_steps,
-        reselections, cpu_updates, d2h_bytes and h2d_bytes (staging, migration, write-backs),
-        optimizer_wait_s (the training thread blocked on the CPU pool), cpu_adam_s (the CPU
-        AdamW updates' run time in the pool, overlapped or not), cpu_accumulate_s (the pool's
-        run time adding steps into the windows' host-side sums).
+        reselections, cpu_updates, blocking_updates (CPU updates that the step(), flush() or
+        state dict call which submitted them also waited for: warm-up steps, updates without
+        overlap_step, select boundaries, flushes), d2h_bytes and h2d_bytes (staging, migration,
+        write-backs), optimizer_wait_s (the training thread blocked on the CPU pool) and its
+        share per phase, optimizer_wait_s_<phase> for ordinary, select (a reselecting step),
+        window_close, select_boundary, warm_up, flush and state_dict; cpu_adam_s (the CPU AdamW
+        updates' run time in the pool, overlapped or not), cpu_accumulate_s (the pool's run
+        time adding steps into the windows' host-side sums), accumulate_on_device (whether the
+        windows' sums stay on the device).
         """
         return self._runtime.stats()
 

@@ -51,7 +51,8 @@ class Conductor:
     one optimizer's param groups, whether their windows' sums stay on the device
     (``device_sums``, decided once), the schedule's progress (``committed_steps``,
     ``window_steps``, the "auto" rule's state), the windows' CPU updates (``updates``), the
-    pool settings and queued sums (``jobs``), the counters behind ``stats()``, and the
+    pool settings and queued sums (``jobs``), the device update's 0-d lr and clip
+    coefficients, the counters behind ``stats()``, and the
     failure that stops it (``failure``: set when a CPU job or a collective failed, which left
     host state undefined)."""
 
@@ -82,6 +83,7 @@ class Conductor:
             skipped_steps=0,
             reselections=0,
             cpu_updates=0,
+            blocking_updates=0,
             d2h_bytes=0,
             h2d_bytes=0,
             optimizer_wait_s=0.0,
@@ -120,6 +122,8 @@ class Conductor:
         self._vector_grads_reduced = False
         self._owned_scale = 1.0  # the scale of the owned weights' staged gradients this step
         self._scores: dict[OwnedWeight, torch.Tensor] = {}
+        # (what, param group, device) -> the 0-d lr or clip coefficient of the device update.
+        self._scalars: dict[tuple, torch.Tensor] = {}
 
     @property
     def step_backend(self) -> str:
@@ -205,6 +209,8 @@ class Conductor:
 
     @_traced("zenflow::step")
     def step(self, grad_divisor: float) -> None:
+        kind = schedule.step_kind(self.schedule, self.committed_steps)
+        self.jobs.phase = "warm_up" if kind.warm_up else "select" if kind.select else "ordinary"
         # Blocks of finished sums go back for the next backward; a pool lagging further behind
         # holds the training thread here rather than pin another block per weight and step.
         self.jobs.finish_sums(keep=SUMS_QUEUED)
@@ -234,7 +240,6 @@ class Conductor:
         # The 1-D parameters' .grad already holds any scale applied through .grad; the staged
         # rows take theirs here.
         owned_coefficient = coefficient * self._owned_scale
-        kind = schedule.step_kind(self.schedule, self.committed_steps)
         if kind.select:
             self._reselect(weights)
         self._device_commit(weights, vectors, owned_coefficient, coefficient)
@@ -295,6 +300,7 @@ class Conductor:
             calls.setdefault((v.group_index, v.param.device, coefficient), ([], []))[1].append(v)
         for (group_index, device, coefficient), (rows, vecs) in calls.items():
             hyper = self._hyper(group_index)
+            role = "owned" if rows else "vectors"
             self._device_step(
                 [w.state.device_master for w in rows] + [v.master for v in vecs],
                 [w.state.device_exp_avg for w in rows] + [v.exp_avg for v in vecs],
@@ -302,8 +308,8 @@ class Conductor:
                 [w.state.device_steps for w in rows] + [v.steps for v in vecs],
                 [w.staging.selected_rows() for w in rows]
                 + [v.param.grad.float().reshape(1, -1) for v in vecs],
-                torch.tensor(hyper["lr"], dtype=torch.float64, device=device),
-                torch.tensor(coefficient, dtype=torch.float64, device=device),
+                self._device_scalar(("lr", group_index, device), hyper["lr"]),
+                self._device_scalar((role, group_index, device), coefficient),
                 hyper["beta1"],
                 hyper["beta2"],
                 hyper["eps"],
@@ -313,6 +319,15 @@ class Conductor:
             with torch.profiler.record_function("zenflow::write_selected"):
                 for w in rows:
                     self.counters["h2d_bytes"] += w.write_selected()
+
+    def _device_scalar(self, key: tuple, value: float) -> torch.Tensor:
+        """A float64 0-d tensor on the key's device holding ``value``: one per key, refilled
+        each step (a kernel queued on the device, where a new tensor from a Python number
+        would be a host-to-device copy the host waits for)."""
+        scalar = self._scalars.get(key)
+        if scalar is None:
+            scalar = self._scalars[key] = torch.empty((), dtype=torch.float64, device=key[-1])
+        return scalar.fill_(value)
 
     @_traced("zenflow::cpu_update")
     def _full_host_update(self, weights: list[OwnedWeight], coefficient: float) -> None:
@@ -333,6 +348,7 @@ class Conductor:
                     **self._hyper(group_index),
                 )
                 self.jobs.collect(handle, "cpu_adam_s")
+                self.counters["blocking_updates"] += 1
                 _release(handed)
                 with torch.profiler.record_function("zenflow::write_unselected"):
                     for w in group_weights:
@@ -384,6 +400,9 @@ class Conductor:
         """The CPU update of the unselected columns from the window's mean gradient."""
         weights = [w for w in self.weights if w.window.open]
         background = self.settings.overlap_step and not (select_boundary or force_sync)
+        self.jobs.phase = (
+            "select_boundary" if select_boundary else "flush" if force_sync else "window_close"
+        )
         if not background:
             self.jobs.finish_sums()
         # A synchronous update writes its weights' columns to the parameters right after the
@@ -394,8 +413,9 @@ class Conductor:
                 hyper = self._hyper(group_index)
                 hyper["lr"] *= schedule.lr_scale(self.schedule, self.window_steps)
                 update = self.updates.submit(group_weights, hyper, self.window_steps, background)
-                if not background:
+                if not background:  # this call waits for the job it submitted
                     self.updates.apply(update)
+                    self.counters["blocking_updates"] += 1
         self.counters["cpu_updates"] += bool(weights)
         self.window_steps = 0
         if self.auto is not None:
@@ -403,6 +423,7 @@ class Conductor:
 
     def flush(self) -> None:
         """Apply everything pending: an overlapped CPU update and the open window's sum."""
+        self.jobs.phase = "flush"
         if self.window_steps:
             self.close_window(select_boundary=False, force_sync=True)
         self.updates.apply_pending()
@@ -410,6 +431,7 @@ class Conductor:
 
     def wait_for_jobs(self) -> None:
         """Let every job end without applying anything (a state dict taken between steps)."""
+        self.jobs.phase = "state_dict"
         self.jobs.finish_sums()
         self.updates.wait()
 

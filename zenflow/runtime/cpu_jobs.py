@@ -3,8 +3,9 @@
 The pool runs jobs in submission order. An optimizer queues window-sum additions (host rows
 added into the windows' sums behind the update that may still be running) and CPU updates;
 it waits for a job only where its result is needed, and counts the time: how long the
-training thread waited (``optimizer_wait_s``) and how long each kind of job ran in the pool
-(``cpu_adam_s``, ``cpu_accumulate_s``), waited for or not.
+training thread waited (``optimizer_wait_s``, and its share per phase of the step,
+``optimizer_wait_s_<phase>``) and how long each kind of job ran in the pool (``cpu_adam_s``,
+``cpu_accumulate_s``), waited for or not.
 """
 
 import contextlib
@@ -20,6 +21,19 @@ from zenflow.runtime import cpu_adam
 # kernel launches on a GPU machine; its compute on a CPU-only one, where on 2 cores this moves
 # the cost from the steps inside the window to the wait at its close: the mean step is the same).
 BACKGROUND_NICE = 10
+# What the training thread may be doing when it waits for the pool: a step inside a window, a
+# reselecting one, one closing a window, a select boundary, a warm-up step; flush(); or a
+# state dict (taken or loaded) waiting for the jobs in flight. Each has its share of
+# optimizer_wait_s.
+WAIT_PHASES = (
+    "ordinary",
+    "select",
+    "window_close",
+    "select_boundary",
+    "warm_up",
+    "flush",
+    "state_dict",
+)
 # Steps whose unselected rows may wait in the pool's queue: each holds a staging block (a pinned
 # copy of the weights' unselected gradient rows on a GPU machine), so one, not more.
 SUMS_QUEUED = 1
@@ -33,14 +47,18 @@ class _QueuedSums:
 
 class CPUJobs:
     """Owns the pool settings this optimizer trains with (``threads``, set from
-    ``pt_reserved_cores_perc``), its queued window-sum additions, and its share of
-    ``counters`` (the three timings above)."""
+    ``pt_reserved_cores_perc``), its queued window-sum additions, the phase its waits count
+    to (``phase``, one of ``WAIT_PHASES``), and its share of ``counters`` (the timings
+    above)."""
 
     def __init__(self, reserved_cores_perc: float, counters: dict):
         self.threads = cpu_adam.threads_from_reserved_cores(reserved_cores_perc)
         cpu_adam.set_num_threads(self.threads)
         cpu_adam.set_worker_nice(BACKGROUND_NICE)
         self.counters = counters
+        for phase in WAIT_PHASES:
+            counters.setdefault(f"optimizer_wait_s_{phase}", 0.0)
+        self.phase = "ordinary"  # what the training thread is doing, set by the conductor
         self._sums: list[_QueuedSums] = []
 
     @contextlib.contextmanager
@@ -58,7 +76,9 @@ class CPUJobs:
     def wait(self, handle: cpu_adam.CPUAdamHandle) -> None:
         started = time.perf_counter()
         handle.wait()
-        self.counters["optimizer_wait_s"] += time.perf_counter() - started
+        waited = time.perf_counter() - started
+        self.counters["optimizer_wait_s"] += waited
+        self.counters[f"optimizer_wait_s_{self.phase}"] += waited
 
     def collect(self, handle: cpu_adam.CPUAdamHandle, counter: str) -> None:
         """Wait for a job this optimizer is done with and count the time it ran in the pool."""

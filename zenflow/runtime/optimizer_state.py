@@ -94,6 +94,7 @@ def load_state_dict(conductor: Conductor, state: dict) -> None:
             f"state dict holds weights {saved} and {len(state['vectors'])} vectors; this "
             f"optimizer has {shapes} and {len(conductor.vectors)}"
         )
+    conductor.jobs.phase = "state_dict"
     if conductor.failure is None:
         conductor.updates.apply_pending()
         conductor.jobs.finish_sums()
