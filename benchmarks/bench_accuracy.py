@@ -35,6 +35,7 @@ import os
 import statistics
 import subprocess
 import sys
+import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,10 +196,8 @@ def char_lm_task(quick: bool) -> Task:
     )
 
 
-def _package_snippets(block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _package_snippets() -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per package: (training tokens, held-out tokens), its sources' head and tail."""
-    import sysconfig
-
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
     for package in CLASSIFY_PACKAGES:
@@ -228,7 +227,7 @@ def classify_task(quick: bool) -> Task:
     args = demo.parse_args([*flags, "--block-size", "64", "--pretrain-batch-size", "16"])
     weights = demo.pretrained_weights(args)
     config = demo.model_config(args)
-    parts = _package_snippets(args.block_size)
+    parts = _package_snippets()
     train = [t for t, _ in parts]
     val = [v for _, v in parts]
     held_out_stream = _classify_batches(val, args.block_size, 16, seed=2)

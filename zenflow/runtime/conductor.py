@@ -308,8 +308,8 @@ class Conductor:
                 [w.state.device_steps for w in rows] + [v.steps for v in vecs],
                 [w.staging.selected_rows() for w in rows]
                 + [v.param.grad.float().reshape(1, -1) for v in vecs],
-                self._device_scalar(("lr", group_index, device), hyper["lr"]),
-                self._device_scalar((role, group_index, device), coefficient),
+                self._device_scalar("lr", group_index, device, hyper["lr"]),
+                self._device_scalar(role, group_index, device, coefficient),
                 hyper["beta1"],
                 hyper["beta2"],
                 hyper["eps"],
@@ -320,13 +320,16 @@ class Conductor:
                 for w in rows:
                     self.counters["h2d_bytes"] += w.write_selected()
 
-    def _device_scalar(self, key: tuple, value: float) -> torch.Tensor:
-        """A float64 0-d tensor on the key's device holding ``value``: one per key, refilled
-        each step (a kernel queued on the device, where a new tensor from a Python number
-        would be a host-to-device copy the host waits for)."""
+    def _device_scalar(
+        self, what: str, group_index: int, device: torch.device, value: float
+    ) -> torch.Tensor:
+        """A float64 0-d tensor on ``device`` holding ``value``: one per (what, group, device),
+        refilled each step (a kernel queued on the device, where a new tensor from a Python
+        number would be a host-to-device copy the host waits for)."""
+        key = (what, group_index, device)
         scalar = self._scalars.get(key)
         if scalar is None:
-            scalar = self._scalars[key] = torch.empty((), dtype=torch.float64, device=key[-1])
+            scalar = self._scalars[key] = torch.empty((), dtype=torch.float64, device=device)
         return scalar.fill_(value)
 
     @_traced("zenflow::cpu_update")

@@ -40,10 +40,9 @@ def device_sums_for(
     free_bytes: int | None = None,
     offload: bool = False,
 ) -> DeviceSums:
-    """``requested`` True or False as given; "auto" by the rule above. ``free_bytes``: the
-    device memory not yet allocated (asked of the device when None)."""
-    if requested is not True and requested is not False and requested != "auto":
-        raise ValueError(f'accumulate_on_device must be true, false or "auto", got {requested!r}')
+    """``requested`` True or False as given; "auto" by the rule above (the settings checked
+    the value). ``free_bytes``: the device memory not yet allocated (asked of the device when
+    None)."""
     if requested != "auto":
         return DeviceSums(bool(requested), "set")
     if world_size > 1:
