@@ -23,7 +23,8 @@ CONFIG = {
     "zero_optimization": {
         "stage": 2,
         "offload_optimizer": {"device": "cpu"},
-        # Windows close at steps 4, 8, 16, 20 in the background; 12 is a select boundary.
+        # Windows close at steps 4, 8, 12, 16 and 20, all in the background; 12 is a select
+        # boundary too, where that step's gradient chooses the next selection.
         "zenflow": {
             "topk_ratio": 0.25,
             "update_interval": 4,

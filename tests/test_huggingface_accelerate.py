@@ -98,7 +98,7 @@ def test_clip_grad_norm_returns_the_true_global_norm_and_clips_the_staged_rows()
         schedule.step()
         own.zero_grad()
     own.flush()
-    assert_trained_alike(model, mine, atol=1e-5)
+    assert_trained_alike(model, mine, atol=5e-5)
 
 
 def test_save_state_and_load_state_continue_the_straight_run(tmp_path):

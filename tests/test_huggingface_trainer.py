@@ -154,7 +154,7 @@ def test_trainer_clips_the_owned_weights_as_the_optimizer_would(tmp_path):
         callbacks=[ZenFlowCallback()],
     )
     by_optimizer.train()
-    assert_trained_alike(by_trainer.model, by_optimizer.model, atol=1e-5)
+    assert_trained_alike(by_trainer.model, by_optimizer.model, atol=5e-5)
 
 
 def test_resuming_from_a_checkpoint_continues_the_straight_run(tmp_path):

@@ -7,7 +7,7 @@ import torch
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.layout import ColumnLayout
 from zenflow.runtime.migration import move_rows
-from zenflow.runtime.schedule import Schedule, closes_window, lr_scale, step_kind
+from zenflow.runtime.schedule import Schedule, closes_window, lr_scale, reselects, step_kind
 
 
 def two_rank_layout(rank: int) -> ColumnLayout:
@@ -85,12 +85,16 @@ def test_step_kinds_follow_the_schedule():
     schedule = Schedule(warm_up_rounds=2, select_interval=4, update_interval=2, selects=True)
     kinds = [step_kind(schedule, committed) for committed in range(8)]
     assert [k.warm_up for k in kinds] == [True, True] + [False] * 6
-    assert [k.select for k in kinds] == [False, False, True, False, False, False, True, False]
+    # The first selection before step 0 after warm-up is committed, the next ones after each
+    # select boundary is.
+    assert [k.select for k in kinds] == [False, False, True] + [False] * 5
     assert [k.update_boundary for k in kinds] == [False, False] + [False, True] * 3
     assert [k.select_boundary for k in kinds] == [False] * 5 + [True, False, False]
+    assert [reselects(schedule, k) for k in kinds] == [False] * 5 + [True, False, False]
     assert not any(closes_window(k, auto_fired=True) for k in kinds[:2])
     never = schedule._replace(selects=False)  # topk_ratio 0: nothing is ever selected
     assert not any(step_kind(never, committed).select for committed in range(8))
+    assert not any(reselects(never, step_kind(never, committed)) for committed in range(8))
 
 
 def test_auto_windows_close_when_the_rule_fires_or_at_a_select_boundary():

@@ -122,71 +122,90 @@ def scalar_adamw(p, m, v, g, step, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, wd=
 def test_reselection_migrates_state_with_per_column_steps():
     """One row, two columns, k = 1, update_interval 2, select_interval 2.
 
-    Steps 0-1 select column 0 (device, every step); column 1 accumulates and takes one CPU step
-    on the mean. Step 2 reselects column 1: it continues from its CPU moments with step count 2,
-    while column 0 now accumulates and takes its third step when the window closes."""
+    Step 0 selects column 0 (device, every step); column 1 accumulates and takes one CPU step
+    on the mean when the window closes after step 1, whose gradient then selects column 1: it
+    continues from its CPU moments with step count 2, while column 0 accumulates and takes its
+    third step when the next window closes (after which step 3's gradient selects it again)."""
     w = torch.tensor([[1.0, -1.0]], requires_grad=True)
     opt = ReferenceZenFlowAdamW(
         [w], lr=0.1, weight_decay=0.0, topk_ratio=0.5, update_interval=2, select_interval=2
     )
-    grads = [[3.0, 0.5], [2.0, 1.5], [0.1, 4.0], [0.3, 2.0]]
+    grads = [[3.0, 0.5], [1.5, 2.0], [0.1, 4.0], [3.0, 0.3]]
     for g in grads:
         w.grad = torch.tensor([g])
         opt.step()
 
     c0 = (1.0, 0.0, 0.0)
     c0 = scalar_adamw(*c0, 3.0, 1)
-    c0 = scalar_adamw(*c0, 2.0, 2)
-    c0 = scalar_adamw(*c0, (0.1 + 0.3) / 2, 3)
+    c0 = scalar_adamw(*c0, 1.5, 2)
+    c0 = scalar_adamw(*c0, (0.1 + 3.0) / 2, 3)
     c1 = (-1.0, 0.0, 0.0)
-    c1 = scalar_adamw(*c1, (0.5 + 1.5) / 2, 1)
+    c1 = scalar_adamw(*c1, (0.5 + 2.0) / 2, 1)
     c1 = scalar_adamw(*c1, 4.0, 2)
-    c1 = scalar_adamw(*c1, 2.0, 3)
+    c1 = scalar_adamw(*c1, 0.3, 3)
 
     state = opt.state[w]
-    assert state["selected"].tolist() == [1]
+    assert state["selected"].tolist() == [0]
     assert state["column_steps"].tolist() == [3, 3]
     assert_close(w.detach(), torch.tensor([[c0[0], c1[0]]]), **TOL)
     assert_close(state["exp_avg"], torch.tensor([[c0[1], c1[1]]]), **TOL)
     assert_close(state["exp_avg_sq"], torch.tensor([[c0[2], c1[2]]]), **TOL)
-    assert opt.reselections == 2 and opt.cpu_updates == 2
+    assert opt.reselections == 3 and opt.cpu_updates == 2
 
 
 def test_overlap_is_exactly_one_window_stale():
     """Windows close after steps 1, 3, 5, ...; with overlap the unselected columns show, after
-    step t, what the synchronous run showed two steps before the last close. Step 11 ends the
-    select interval, which flushes, so no staleness is carried into a new selection."""
+    step t, what the synchronous run showed two steps before the last close, across the select
+    boundary after step 7 too: there the columns entering the selection take the closing
+    window's update at once, and the columns leaving it show their device values until the
+    next close."""
     params = make_params()
     grads = grad_sequence(params, 12)
-    common = dict(lr=1e-2, topk_ratio=0.25, update_interval=2, select_interval=12)
+    common = dict(lr=1e-2, topk_ratio=0.25, update_interval=2, select_interval=8)
     sync_params, overlap_params = clone(params), clone(params)
     sync = ReferenceZenFlowAdamW(sync_params, **common)
     overlap = ReferenceZenFlowAdamW(overlap_params, overlap_step=True, **common)
     shown_by_sync = []
+    selected_before = {}
     for t, step_grads in enumerate(grads):
         apply_grads(sync_params, step_grads)
         apply_grads(overlap_params, step_grads)
+        if t == 7:
+            selected_before = {
+                i: overlap.state[p]["selected"]
+                for i, p in enumerate(overlap_params)
+                if p.dim() >= 2
+            }
         sync.step()
         overlap.step()
         shown_by_sync.append([p.detach().clone() for p in sync_params])
         last_close = t if t % 2 == 1 else t - 1
-        if t == 11:
-            expected = shown_by_sync[11]
-        elif last_close >= 3:
-            expected = shown_by_sync[last_close - 2]
-        else:
-            expected = [p.detach() for p in params]
+        expected = shown_by_sync[last_close - 2] if last_close >= 3 else params
         for i, p in enumerate(overlap_params):
             if p.dim() < 2:
                 assert_close(p, sync_params[i], **TOL)
                 continue
-            unselected = torch.ones(overlap.state[p]["column_steps"].numel(), dtype=torch.bool)
-            unselected[overlap.state[p]["selected"]] = False
+            selected = overlap.state[p]["selected"]
+            assert torch.equal(selected, sync.state[sync_params[i]]["selected"])
+            current = torch.zeros(overlap.state[p]["column_steps"].numel(), dtype=torch.bool)
+            current[selected] = True
+            leaving = torch.zeros_like(current)
+            if t in (7, 8):
+                leaving[selected_before[i]] = True
+                leaving &= ~current
+            stale = ~current & ~leaving
             view = p.detach().reshape(p.shape[0], -1)
-            assert_close(view[:, unselected], expected[i].reshape(view.shape)[:, unselected], **TOL)
-            assert_close(
-                view[:, ~unselected], sync_params[i].reshape(view.shape)[:, ~unselected], **TOL
-            )
+            synced = sync_params[i].reshape(view.shape)
+            assert_close(view[:, stale], expected[i].reshape(view.shape)[:, stale], **TOL)
+            assert_close(view[:, ~stale], synced[:, ~stale], **TOL)
+        if t == 8:
+            assert any(
+                not torch.equal(selected_before[i], overlap.state[p]["selected"])
+                for i, p in enumerate(overlap_params)
+                if p.dim() >= 2
+            ), "the select boundary changed no selection: the test shows nothing"
+    overlap.flush()
+    sync.flush()
     assert_close(overlap_params, sync_params, **TOL)
 
 

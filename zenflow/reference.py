@@ -6,8 +6,9 @@ what this file pins down is the arithmetic and the schedule of ZENFLOW.md's exac
 * step ``t`` counts committed optimizer steps; a skipped step (a non-finite gradient) commits
   nothing and does not count.
 * The first ``full_warm_up_rounds`` steps update every parameter every step (plain AdamW).
-* After warm-up, ``s = t - full_warm_up_rounds``. A step with ``s % select_interval == 0`` first
-  picks, for every weight, the top-k columns by the squared L2 norm of this step's gradient.
+* After warm-up, ``s = t - full_warm_up_rounds``. The first step after warm-up picks, for
+  every weight, the top-k columns by the squared L2 norm of its gradient, before the step is
+  committed (so topk_ratio 1 is AdamW from the first step).
 * Each step, selected columns and every 1-D parameter take an AdamW step; the other columns'
   (clipped) gradients are summed into an accumulator.
 * A window closes after every ``update_interval``-th step (``(s + 1) % update_interval == 0``):
@@ -19,8 +20,12 @@ what this file pins down is the arithmetic and the schedule of ZENFLOW.md's exac
   ``min_update_interval`` steps, at the latest after ``max_update_interval``, and at every
   select boundary; a window of n steps updates with ``lr * sqrt(n)``.
 * With ``overlap_step`` the result of window w reaches the parameters at the end of window w + 1
-  (one window stale). The end of a select interval flushes everything, so a new selection always
-  starts from up-to-date values.
+  (one window stale).
+* A select boundary (``(s + 1) % select_interval == 0``) closes its window as above, then picks
+  the next selection from the boundary step's gradient. Columns that enter the selection take
+  the closing window's update at once (they are updated every step from now on); the columns
+  that stay unselected receive theirs as any window's (one window later with
+  ``overlap_step``); the columns that leave join the next window.
 """
 
 import math
@@ -164,10 +169,10 @@ class ReferenceZenFlowAdamW(torch.optim.Optimizer):
             if warm_up or not has_columns(p):
                 self._full_step(group, p, grad)
             else:
-                if s % self.select_interval == 0 or self._state(p)["selected"] is None:
+                if self._state(p)["selected"] is None:
                     self._select(p, p.grad)
                 self._selective_step(group, p, grad)
-        if not warm_up and s % self.select_interval == 0:
+        if not warm_up and s == 0:
             self.reselections += 1
         self.committed_steps += 1
         if not warm_up:
@@ -178,7 +183,9 @@ class ReferenceZenFlowAdamW(torch.optim.Optimizer):
             else:
                 closes = (s + 1) % self.update_interval == 0
             if closes:
-                self._close_window(select_boundary)
+                self._close_window()
+            if select_boundary and self.topk_ratio > 0:
+                self._reselect_after_boundary(live)
         return True
 
     def _auto_window_full(self, live, coefficient: float) -> bool:
@@ -269,7 +276,7 @@ class ReferenceZenFlowAdamW(torch.optim.Optimizer):
             self._update_columns(group, state, selected, g[:, selected])
             as_matrix(p)[:, selected] = as_matrix(state["master"])[:, selected].to(p.dtype)
 
-    def _close_window(self, select_boundary: bool) -> None:
+    def _close_window(self) -> None:
         """The CPU update of the unselected columns on the window's mean gradient."""
         if self.window_steps == 0:
             return
@@ -287,13 +294,26 @@ class ReferenceZenFlowAdamW(torch.optim.Optimizer):
             state["accumulator"].zero_()
             values = as_matrix(state["master"])[:, unselected].clone()
             state["pending"] = (unselected, values)
-            if not (self.overlap_step and not select_boundary):
+            if not self.overlap_step:
                 self._apply_pending(p, state)
         self.cpu_updates += 1
         self.window_steps = 0
         self._auto_energies = {}
-        if select_boundary:
-            self.flush()
+
+    def _reselect_after_boundary(self, live) -> None:
+        """A new selection from the boundary step's gradient. The closing window's update of
+        the entering columns reaches the parameter now; the rest of it stays pending."""
+        for _, p in live:
+            if not has_columns(p):
+                continue
+            state = self._state(p)
+            self._select(p, p.grad)
+            if state.get("pending") is not None:
+                columns, values = state["pending"]
+                entering = torch.isin(columns, state["selected"])
+                as_matrix(p)[:, columns[entering]] = values[:, entering].to(p.dtype)
+                state["pending"] = (columns[~entering], values[:, ~entering])
+        self.reselections += 1
 
     @staticmethod
     def _apply_pending(p: torch.Tensor, state: dict) -> None:
@@ -306,7 +326,7 @@ class ReferenceZenFlowAdamW(torch.optim.Optimizer):
     def flush(self) -> None:
         """Apply everything pending: the open window's update and any overlapped result."""
         if self.window_steps:
-            self._close_window(select_boundary=False)
+            self._close_window()
         for _, p in self._params():
             state = self.state.get(p)
             if state and has_columns(p):

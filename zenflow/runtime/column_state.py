@@ -6,6 +6,10 @@ the selected columns' rows are stale while their state is on the device), pinned
 machine. Device rows: the selected columns, in device row order, on the weight's device (on the
 host with ``offload``). A reselection moves the rows of the columns that change side and never
 resets them.
+
+At a select boundary with an overlapped CPU update, that update still runs over the host rows
+in the old layout while the new selection is already in effect on the device: the host rows'
+moves wait (``unsettled``) until the update is done with them (``settle``).
 """
 
 import torch
@@ -13,13 +17,22 @@ import torch
 from zenflow.columns import column_rows
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.layout import ColumnLayout, Migration
-from zenflow.runtime.migration import move_rows
+from zenflow.runtime.migration import (
+    entering_rows,
+    leaving_rows,
+    move_host_rows,
+    move_rows,
+    moved_bytes,
+    place_device_rows,
+)
 
 
 class ColumnState:
     """Owns the host rows (``host_master``, ``host_exp_avg``, ``host_exp_avg_sq``: ``[block
     rows, out]`` fp32; ``host_steps``: ``[block rows]`` int64) and the device rows
-    (``device_*``: ``[k, out]`` fp32 and ``[k]`` int64 on ``device``)."""
+    (``device_*``: ``[k, out]`` fp32 and ``[k]`` int64 on ``device``), and the host rows'
+    moves a reselection left for later (``unsettled``: the migration and the leaving columns'
+    rows, on the host)."""
 
     def __init__(self, param: torch.Tensor, layout: ColumnLayout, device: torch.device, pin: bool):
         self.device = device
@@ -35,6 +48,7 @@ class ColumnState:
         self.device_exp_avg = torch.empty(0, out, device=device)
         self.device_exp_avg_sq = torch.empty(0, out, device=device)
         self.device_steps = torch.empty(0, dtype=torch.int64, device=device)
+        self.unsettled: tuple[Migration, list[torch.Tensor]] | None = None
 
     def host(self) -> list[torch.Tensor]:
         return [self.host_master, self.host_exp_avg, self.host_exp_avg_sq, self.host_steps]
@@ -50,10 +64,41 @@ class ColumnState:
     def migrate(self, migration: Migration, comm: DataParallel) -> tuple[int, int]:
         """Move the changing columns' rows; returns the bytes this rank moved (to the host,
         to the device)."""
+        assert self.unsettled is None, "a reselection before the last one settled"
         pairs = list(zip(self.host(), self.device_rows(), strict=True))
         device, to_host, to_device = move_rows(migration, pairs, comm, self.pin)
         self.device_master, self.device_exp_avg, self.device_exp_avg_sq, self.device_steps = device
         return to_host, to_device
+
+    def entering(self, migration: Migration, comm: DataParallel) -> list[torch.Tensor]:
+        """The entering columns' rows (master, moments, steps) on the device, read from the
+        host rows now: a CPU update about to be submitted rewrites them."""
+        positions = migration.entering_host_rows
+        return [
+            entering_rows(migration, host, positions, self.device, rows.dtype, comm, self.pin)
+            for host, rows in zip(self.host(), self.device_rows(), strict=True)
+        ]
+
+    def migrate_later(self, migration: Migration, entering: list[torch.Tensor]) -> tuple[int, int]:
+        """The new selection on the device now (``entering``: its new columns' rows); the host
+        rows move once ``settle`` is called. Returns the bytes this rank moves, as
+        ``migrate``."""
+        pairs = list(zip(self.host(), self.device_rows(), strict=True))
+        leaving = leaving_rows(migration, pairs, self.pin)
+        device = [
+            place_device_rows(migration, rows, new)
+            for rows, new in zip(self.device_rows(), entering, strict=True)
+        ]
+        self.device_master, self.device_exp_avg, self.device_exp_avg_sq, self.device_steps = device
+        self.unsettled = (migration, leaving)
+        return moved_bytes(migration, self.host())
+
+    def settle(self) -> None:
+        """The host rows' moves of the last reselection, once no CPU update reads them."""
+        if self.unsettled is not None:
+            migration, leaving = self.unsettled
+            move_host_rows(migration, self.host(), leaving)
+            self.unsettled = None
 
     def load(self, host: list[torch.Tensor], device: list[torch.Tensor]) -> None:
         """Adopt saved rows (copies: the saved tensors stay the caller's)."""
@@ -63,6 +108,7 @@ class ColumnState:
         self.host_exp_avg_sq = _on_host(exp_avg_sq, self.pin)
         self.host_steps = steps.to("cpu", copy=True)
         moved = [t.to(self.device, copy=True) for t in device]
+        self.unsettled = None
         self.device_master, self.device_exp_avg, self.device_exp_avg_sq, self.device_steps = moved
 
 

@@ -2,13 +2,13 @@
 
 A step (``step``): the staged gradients are finished (reduced over ranks) and their global
 norm taken; a non-finite norm commits nothing. Then, by the schedule
-(``zenflow.runtime.schedule``): a selecting step moves the columns that change side; the
+(``zenflow.runtime.schedule``): the first step after warm-up chooses the first selection; the
 selected columns and the 1-D parameters take their AdamW step on the device (one call per
 param group and device), and their new values are written into the parameters; the unselected
 columns' rows join each weight's window (or, in warm-up, every column takes a CPU step now);
-and a window that closes gets its CPU update, in the background with ``overlap_step`` (applied
-at the next boundary), synchronously at a select boundary. The exact semantics:
-docs/algorithm.md.
+a window that closes gets its CPU update, in the background with ``overlap_step`` (applied at
+the next boundary); and at a select boundary the step's gradient chooses the next selection
+(``close_window``). The exact semantics: docs/algorithm.md.
 """
 
 import contextlib
@@ -24,7 +24,11 @@ from zenflow.runtime.device_sums import device_sums_for, sums_bytes
 from zenflow.runtime.nonfinite import clip_coefficient
 from zenflow.runtime.owned_weight import OwnedWeight
 from zenflow.runtime.pending_update import UpdateEntry
-from zenflow.runtime.selective_step import compiled_selective_adamw, step_backend_for
+from zenflow.runtime.selective_step import (
+    compiled_selective_adamw,
+    selective_adamw_,
+    step_backend_for,
+)
 from zenflow.runtime.staging.contributions import DeviceRows, Factors, HostRows, as_tensor
 from zenflow.runtime.vector_state import VectorState
 from zenflow.runtime.window_updates import WindowUpdates
@@ -240,14 +244,25 @@ class Conductor:
         # The 1-D parameters' .grad already holds any scale applied through .grad; the staged
         # rows take theirs here.
         owned_coefficient = coefficient * self._owned_scale
+        reselecting = weights if schedule.reselects(self.schedule, kind) else []
+        for w in reselecting:  # the next selection's scores, before the rows are handed on
+            self.column_scores(w)
         if kind.select:
             self._reselect(weights)
+            self.counters["reselections"] += 1
         self._device_commit(weights, vectors, owned_coefficient, coefficient)
         auto_fired = False
         if kind.warm_up:
             self._full_host_update(weights, owned_coefficient)
         else:
-            fold_last = kind.update_boundary and self.auto is None and owned_coefficient == 1.0
+            # An overlapped select boundary reads the entering columns' sums before the CPU
+            # update runs: the last step's rows are added to the sums first.
+            fold_last = (
+                kind.update_boundary
+                and self.auto is None
+                and owned_coefficient == 1.0
+                and not (self.settings.overlap_step and schedule.reselects(self.schedule, kind))
+            )
             self._accumulate(weights, owned_coefficient, fold_last)
             if self.auto is not None:
                 auto_fired = self._auto_window_full(weights, owned_coefficient)
@@ -258,7 +273,7 @@ class Conductor:
         if not kind.warm_up:
             self.window_steps += 1
             if schedule.closes_window(kind, auto_fired):
-                self.close_window(kind.select_boundary)
+                self.close_window(kind.select_boundary, reselecting=reselecting)
 
     def _hyper(self, group_index: int) -> dict:
         group = self.param_groups[group_index]
@@ -277,14 +292,56 @@ class Conductor:
             if members:
                 yield group_index, members
 
+    def _selection(self, w: OwnedWeight) -> torch.Tensor:
+        return select_top_columns(
+            self.column_scores(w), topk_count(self.settings.topk_ratio, w.columns)
+        )
+
     @_traced("zenflow::reselect")
     def _reselect(self, weights: list[OwnedWeight]) -> None:
         for w in weights:
-            k = topk_count(self.settings.topk_ratio, w.columns)
-            to_host, to_device = w.reselect(select_top_columns(self.column_scores(w), k))
+            to_host, to_device = w.reselect(self._selection(w))
             self.counters["d2h_bytes"] += to_host
             self.counters["h2d_bytes"] += to_device
-        self.counters["reselections"] += 1
+
+    @_traced("zenflow::reselect")
+    def _enter_on_device(self, weights: list[OwnedWeight]) -> list:
+        """An overlapped select boundary, before its window's CPU update is submitted: the
+        next selection of each of ``weights``, and the closing window's update of the
+        columns entering it, on the device (one AdamW call per param group and device, as the
+        CPU update would make it: mean gradient, the window's lr, weight decay once). Returns
+        (weight, migration, updated state rows) for ``_reselect_later``."""
+        entered, calls = [], {}
+        for w in weights:
+            migration, rows, sums, sent = w.entering_at_boundary(self._selection(w))
+            self.counters["h2d_bytes"] += sent
+            entered.append((w, migration, rows))
+            calls.setdefault((w.group_index, w.state.device), []).append((rows, sums))
+        for (group_index, device), members in calls.items():
+            hyper = self._hyper(group_index)
+            lr = hyper["lr"] * schedule.lr_scale(self.schedule, self.window_steps)
+            rows, sums = zip(*members, strict=True)
+            selective_adamw_(
+                *(list(part) for part in zip(*rows, strict=True)),
+                list(sums),
+                self._device_scalar("entering_lr", group_index, device, lr),
+                self._device_scalar("window_mean", group_index, device, 1.0 / self.window_steps),
+                hyper["beta1"],
+                hyper["beta2"],
+                hyper["eps"],
+                hyper["weight_decay"],
+                [None] * len(rows),
+            )
+        return entered
+
+    def _reselect_later(self, entered: list) -> None:
+        """The selections ``_enter_on_device`` chose take effect; the host rows move once the
+        CPU update submitted meanwhile is done with them."""
+        for w, migration, rows in entered:
+            to_host, to_device = w.reselect_later(migration, rows)
+            self.counters["d2h_bytes"] += to_host
+            self.counters["h2d_bytes"] += to_device
+            self.counters["h2d_bytes"] += w.write_selected()
 
     @_traced("zenflow::device_update")
     def _device_commit(self, weights, vectors, owned_coefficient: float, coefficient: float):
@@ -399,10 +456,20 @@ class Conductor:
     # Windows and their CPU updates.
 
     @_traced("zenflow::cpu_update")
-    def close_window(self, select_boundary: bool, force_sync: bool = False) -> None:
-        """The CPU update of the unselected columns from the window's mean gradient."""
+    def close_window(
+        self,
+        select_boundary: bool,
+        force_sync: bool = False,
+        reselecting: list[OwnedWeight] = (),
+    ) -> None:
+        """The CPU update of the unselected columns from the window's mean gradient; then
+        ``reselecting`` (at a select boundary: the weights this step's gradient reached) take
+        their next selection. Synchronously, the CPU update covers every unselected column and
+        the state of the columns that change side moves after it. With ``overlap_step``, the
+        entering columns take the update on the device (``_enter_on_device``) and the CPU
+        update, over the old layout's rows, lands at the next boundary."""
         weights = [w for w in self.weights if w.window.open]
-        background = self.settings.overlap_step and not (select_boundary or force_sync)
+        background = self.settings.overlap_step and not force_sync
         self.jobs.phase = (
             "select_boundary" if select_boundary else "flush" if force_sync else "window_close"
         )
@@ -411,6 +478,11 @@ class Conductor:
         # A synchronous update writes its weights' columns to the parameters right after the
         # pending one would have: the pending result is not written for those.
         self.updates.apply_pending(rewritten=() if background else weights)
+        in_update = {id(w) for w in weights}
+        entered = []
+        if background and reselecting:
+            self.jobs.finish_sums()  # the entering columns' sums include this step's rows
+            entered = self._enter_on_device([w for w in reselecting if id(w) in in_update])
         with contextlib.nullcontext() if background else self.jobs.every_core():
             for group_index, group_weights in self.by_group(weights):
                 hyper = self._hyper(group_index)
@@ -420,6 +492,11 @@ class Conductor:
                     self.updates.apply(update)
                     self.counters["blocking_updates"] += 1
         self.counters["cpu_updates"] += bool(weights)
+        if reselecting:
+            self._reselect_later(entered)
+            done = {id(w) for w, _, _ in entered}
+            self._reselect([w for w in reselecting if id(w) not in done])
+            self.counters["reselections"] += 1
         self.window_steps = 0
         if self.auto is not None:
             self.auto.reset()

@@ -16,7 +16,7 @@ from zenflow.columns import column_count, column_rows
 from zenflow.runtime import registry
 from zenflow.runtime.column_state import ColumnState
 from zenflow.runtime.comm import DataParallel
-from zenflow.runtime.layout import ColumnLayout
+from zenflow.runtime.layout import ColumnLayout, Migration
 from zenflow.runtime.param_writes import write_columns
 from zenflow.runtime.staged_gradient import StagedGradient
 from zenflow.runtime.staging import staging_for
@@ -148,6 +148,31 @@ class OwnedWeight:
         staged_to_host, staged_to_device = self.staging.migrate(migration)
         self.layout = migration.layout
         return to_host + staged_to_host, to_device + staged_to_device
+
+    def entering_at_boundary(
+        self, selected: torch.Tensor
+    ) -> tuple[Migration, list[torch.Tensor], torch.Tensor, int]:
+        """A new selection at a select boundary whose window's CPU update is yet to be
+        submitted: its migration, the entering columns' state rows (master, moments, steps)
+        and window sums on the state's device (for their update there), and the bytes this
+        rank sent to the device for them."""
+        migration = self.layout.reselect(selected)
+        rows = self.state.entering(migration, self.comm)
+        sums = self.window.entering(migration, self.layout.k_local, self.state.device, self.comm)
+        sent = 0
+        if not self.device_sums:
+            sent = migration.rows_to_device * self.out * sums.element_size()
+        return migration, rows, sums, sent
+
+    def reselect_later(self, migration: Migration, entering: list[torch.Tensor]) -> tuple[int, int]:
+        """Adopt ``migration``'s selection with ``entering`` as its new columns' state rows,
+        while a CPU update still runs over the old layout's host rows: they move when it is
+        done (``state.settle``). Returns the bytes this rank moves (to the host, to the
+        device)."""
+        moved = self.state.migrate_later(migration, entering)
+        self.staging.migrate(migration)
+        self.layout = migration.layout
+        return moved
 
     def adopt(self, layout: ColumnLayout) -> None:
         """A saved layout, with the state loaded beside it."""

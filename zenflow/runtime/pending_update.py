@@ -1,11 +1,13 @@
 """A CPU update of unselected columns, submitted to the pool, and what applying it writes.
 
-Each entry carries what its write needs, fixed when the update was submitted: the rows the job
-writes (rounded into a buffer of the parameter's dtype, or the fp32 host master rows it
-updates), every rank's columns those rows belong to, and how many rows each rank has. Applying
-never reads the weight's current layout. (The conductor applies an update before any
-reselection of its weights, since the fp32 master rows it reads stay where the update wrote
-them only until then.)
+Each entry carries what its write needs. A 16-bit parameter's rows are rounded by the job into
+a buffer of their own, which the entry keeps with the columns they belong to (every rank's, in
+row order) and how many rows each rank has, fixed when the update was submitted; if columns
+entered the selection since (the update was submitted at a select boundary), they are written
+again from their device state after it. An fp32 parameter's rows are the host master rows the
+job updates, read where they are when the entry is written: after a select boundary, the host
+rows move once the job is done (``ColumnState.settle``), and the columns that left the
+selection then hold, in their host rows, the values their parameter columns already have.
 """
 
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from zenflow.runtime import cpu_adam
+from zenflow.runtime.layout import ColumnLayout
 from zenflow.runtime.owned_weight import OwnedWeight
 from zenflow.runtime.staging.contributions import HostRows
 
@@ -22,10 +25,8 @@ class UpdateEntry:
     """One weight's part of a CPU update."""
 
     weight: OwnedWeight
-    rows: torch.Tensor  # this rank's updated rows, in host row order
-    rounded: bool  # rows are in the parameter's dtype (else fp32 master rows)
-    columns: torch.Tensor  # every rank's updated columns, in row order, on the weight's device
-    counts: list[int]  # rows per rank
+    layout: ColumnLayout  # the weight's layout when the update was submitted
+    rounded: torch.Tensor | None  # this rank's updated rows in the parameter's dtype
     window_sum: torch.Tensor | None  # the sum the job zeroes, back to the window after it
     last: HostRows | None  # the last step's rows the job folds in, released after it
 
@@ -37,16 +38,7 @@ class UpdateEntry:
         window_sum: torch.Tensor | None,
         last: HostRows | None,
     ) -> "UpdateEntry":
-        layout = weight.layout
-        return cls(
-            weight=weight,
-            rows=weight.state.host_master[layout.k_local :] if rounded is None else rounded,
-            rounded=rounded is not None,
-            columns=layout.on(weight.param.device, "unselected"),
-            counts=layout.unselected_counts,
-            window_sum=window_sum,
-            last=last,
-        )
+        return cls(weight, weight.layout, rounded, window_sum, last)
 
     def release(self) -> None:
         """The job is done with the window's buffers."""
@@ -56,8 +48,20 @@ class UpdateEntry:
             self.last.release()
 
     def write(self) -> int:
-        """Write the rows into the parameter; returns the bytes sent to the device."""
-        return self.weight.write_rows(self.rows, self.rounded, self.columns, self.counts)
+        """Write the rows into the parameter (the job is done); returns the bytes sent to the
+        device."""
+        w = self.weight
+        w.state.settle()
+        if self.rounded is None:
+            layout = w.layout
+            rows = w.state.host_master[layout.k_local :]
+            columns = layout.on(w.param.device, "unselected")
+            return w.write_rows(rows, False, columns, layout.unselected_counts)
+        columns = self.layout.on(w.param.device, "unselected")
+        sent = w.write_rows(self.rounded, True, columns, self.layout.unselected_counts)
+        if w.layout is not self.layout:
+            sent += w.write_selected()
+        return sent
 
 
 @dataclass

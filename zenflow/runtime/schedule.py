@@ -36,8 +36,8 @@ class Schedule(NamedTuple):
 
 class StepKind(NamedTuple):
     warm_up: bool  # every column takes a CPU step now
-    select: bool  # columns are chosen from this step's gradient, before it is committed
-    select_boundary: bool  # the window closes, synchronously, and everything pending lands
+    select: bool  # the first selection, from this step's gradient, before it is committed
+    select_boundary: bool  # the window closes; with topk > 0 this step's gradient selects next
     update_boundary: bool  # a fixed interval's window closes (with "auto": only if it fires)
 
 
@@ -49,10 +49,15 @@ def step_kind(schedule: Schedule, committed: int) -> StepKind:
     interval = schedule.update_interval
     return StepKind(
         warm_up=False,
-        select=schedule.selects and s % schedule.select_interval == 0,
+        select=schedule.selects and s == 0,
         select_boundary=select_boundary,
         update_boundary=select_boundary or (interval is not None and (s + 1) % interval == 0),
     )
+
+
+def reselects(schedule: Schedule, kind: StepKind) -> bool:
+    """Whether this step's gradient chooses the next selection once the step is committed."""
+    return schedule.selects and kind.select_boundary
 
 
 def closes_window(kind: StepKind, auto_fired: bool) -> bool:

@@ -1,4 +1,4 @@
-"""The saved form of a ZenFlowAdamW's state (``zenflow.ZenFlowAdamW/3``), typed.
+"""The saved form of a ZenFlowAdamW's state (``zenflow.ZenFlowAdamW/4``), typed.
 
 A state dict holds only tensors, plain values (numbers, strings, lists, dicts) and one class of
 this module allowlisted for ``torch.load(weights_only=True)`` (``HostResident``): a checkpoint
@@ -8,8 +8,14 @@ The weights' entries sit in a ``HostResident``: Accelerate (and so Hugging Face 
 an optimizer's state dict to the accelerator and loads it back when it wraps the optimizer, a
 recursive ``.to(device)`` over dicts, lists and tensors that leaves other objects alone. The
 host state is what offloading keeps off the device (fp32 masters and moments, three times the
-model): moved there, it would not fit. Format 2 (the same, with the weights' list bare) still
-loads.
+model): moved there, it would not fit.
+
+Format 4 is format 3 under the select-boundary rule of docs/algorithm.md: a selection is made
+after a select boundary's step is committed, and an overlapped update submitted there may
+still be pending. Formats 3 and 2 (3 with the weights' list bare) load under that rule too:
+they were written when a select boundary applied everything, so their pending update never
+spans a reselection, and the selection they hold stays in effect until the next select
+boundary (where format 3's runs chose again at the first step of the next interval).
 ``WeightRecord`` is one weight's entry, as this rank saved it; ``reshard`` reads and writes the
 same records.
 
@@ -19,15 +25,18 @@ selected columns', the same on every rank), the open window's sum of this rank's
 rows (``accumulator``; None before the first window) and the steps kept as factors
 (``window_factors``: ``(x, dy)`` pairs), whether a step joined the window (``in_window``) and
 whether an overlapped update of the weight was in flight (``pending``: it lands at the next
-window boundary after a load, as without one).
+window boundary after a load, as without one). The pending update's column set is the saved
+layout's unselected columns: the host rows are saved after the update is done with them and
+moved to that layout, and the columns that left the selection at the boundary it was
+submitted at hold there the values their parameter columns already have.
 """
 
 from dataclasses import dataclass, fields
 
 import torch
 
-FORMAT = "zenflow.ZenFlowAdamW/3"
-_READABLE = (FORMAT, "zenflow.ZenFlowAdamW/2")
+FORMAT = "zenflow.ZenFlowAdamW/4"
+_READABLE = (FORMAT, "zenflow.ZenFlowAdamW/3", "zenflow.ZenFlowAdamW/2")
 
 
 class HostResident:

@@ -18,7 +18,10 @@ second buffer meanwhile (``give_back`` returns the first once the update is done
 
 import torch
 
+from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.cpu_adam import GatheredRows
+from zenflow.runtime.layout import Migration
+from zenflow.runtime.migration import entering_rows
 from zenflow.runtime.staging.contributions import Contribution, Factors, HostRows, as_tensor
 from zenflow.runtime.streams import PendingCopy, copy_stream
 
@@ -85,6 +88,18 @@ class WindowSum:
             x = torch.cat(xs).index_select(1, columns[-1])
             self.sum.addmm_(x.t(), torch.cat(dys))
             self.deferred = []
+
+    def entering(
+        self, migration: Migration, k_local: int, device: torch.device, comm: DataParallel
+    ) -> torch.Tensor:
+        """The window's sum of the columns entering the selection (fp32, on every rank's
+        ``device``), for their update there; ``k_local``: the selected rows in front of this
+        rank's block before the reselection. Every step's rows must have been added."""
+        assert self.last is None, "the last step's rows are folded in by the CPU update only"
+        self._sum_deferred()
+        positions = migration.entering_host_rows - k_local
+        pin = device.type == "cuda"
+        return entering_rows(migration, self.sum, positions, device, torch.float32, comm, pin)
 
     def take(self, background: bool) -> tuple[torch.Tensor, HostRows | None]:
         """The window for its CPU update: (the sum, the last step's rows or None). The update

@@ -59,7 +59,7 @@ class WindowUpdates:
         common = dict(
             steps=steps,
             segment_len=[w.out for w in weights],
-            out16=[entry.rows if entry.rounded else None for entry in entries],
+            out16=[entry.rounded for entry in entries],
             **hyper,
         )
         if weights[0].device_sums:
@@ -85,7 +85,9 @@ class WindowUpdates:
             with torch.profiler.record_function("zenflow::write_unselected"):
                 for entry in update.entries:
                     entry.release()
-                    if id(entry.weight) not in skipped:
+                    if id(entry.weight) in skipped:
+                        entry.weight.state.settle()
+                    else:
                         self.counters["h2d_bytes"] += entry.write()
 
     def apply_pending(self, rewritten=()) -> None:
@@ -94,10 +96,13 @@ class WindowUpdates:
         self.pending = []
 
     def wait(self) -> None:
-        """Let the pending jobs end without applying them (a state dict taken between steps)."""
+        """Let the pending jobs end without applying them (a state dict taken between steps);
+        the host rows they read move where their layout has them now."""
         for update in self.pending:
             if update.handle is not None:
                 self.jobs.wait(update.handle)
+            for entry in update.entries:
+                entry.weight.state.settle()
 
     def abandon(self) -> None:
         """After a failure: let running jobs end without raising (their results are undefined
