@@ -33,6 +33,7 @@ def train(world_size: int, rank: int, settings: dict) -> tuple[torch.nn.Module, 
         torch.compile(model, backend="zenflow", options={"inner": "eager"}) if compiled else model
     )
     opt.staged_rows_after_backward = []
+    opt.syncs_by_step = []
     for inputs, targets in batches("mlp", 12):
         shard = slice(rank * len(inputs) // world_size, (rank + 1) * len(inputs) // world_size)
         opt.zero_grad()
@@ -43,7 +44,9 @@ def train(world_size: int, rank: int, settings: dict) -> tuple[torch.nn.Module, 
         opt.staged_rows_after_backward.append((opt.staged_host_rows(), unselected))
         if torch_clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), torch_clip)
+        before = opt.stats()["device_syncs"]
         opt.step()
+        opt.syncs_by_step.append(opt.stats()["device_syncs"] - before)
     opt.flush()
     return model, opt
 
@@ -57,6 +60,7 @@ def run(rank: int, world_size: int, port: int, out_dir: str, settings: dict) -> 
             "params": [p.detach() for p in model.parameters()],
             "host_columns": opt.stats()["host_columns"],
             "staged_rows_after_backward": opt.staged_rows_after_backward,
+            "syncs_by_step": opt.syncs_by_step,
         }
     finally:
         dist.destroy_process_group()

@@ -26,6 +26,7 @@ from tests.zero_configs import overlapped_zenflow_zero
 from zenflow.optimizer import ZenFlowAdamW
 from zenflow.reference import ReferenceZenFlowAdamW
 from zenflow.runtime.comm import DataParallel
+from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.owned_weight import OwnedWeight
 from zenflow.runtime.state_schema import saved_weights
 from zenflow.runtime.streams import CopyStream, copy_stream
@@ -113,7 +114,7 @@ def test_copy_to_host_keeps_the_source_as_it_was_at_the_call(cuda_fp32):
         pending = CopyStream(cuda_fp32).copy_to_host(source)
         source.fill_(-7.0)  # a compiled graph reusing the buffer right after the hand-off
         source.mul_(3.0)
-        host = pending.wait()
+        host = pending.wait(HostSync())
         assert host.device.type == "cpu" and host.is_pinned() and host.dtype == dtype
         assert torch.equal(host, expected)
 
@@ -128,7 +129,7 @@ def test_copy_to_host_completes_while_later_compute_still_runs(cuda_fp32):
     torch.cuda._sleep(1_000_000_000)
     after_compute = torch.cuda.Event()
     after_compute.record()
-    host = pending.wait()
+    host = pending.wait(HostSync())
     still_running = not after_compute.query()
     torch.cuda.synchronize()
     assert torch.equal(host, expected)
@@ -144,7 +145,7 @@ def test_an_owned_source_is_copied_without_a_snapshot(cuda_fp32):
     pending = CopyStream(cuda_fp32).copy_to_host(source, out=out, owned=True)
     assert torch.cuda.memory_allocated(cuda_fp32) == before  # no device-side clone
     del source  # the side stream keeps it alive until the copy is done
-    assert torch.equal(pending.wait(), expected)
+    assert torch.equal(pending.wait(HostSync()), expected)
 
 
 def test_copy_to_device_overlaps_work_queued_before_it_and_orders_work_after(cuda_fp32):
@@ -157,7 +158,7 @@ def test_copy_to_device_overlaps_work_queued_before_it_and_orders_work_after(cud
     before_done = torch.cuda.Event()
     before_done.record()
     on_device, pending = stream.copy_to_device(source)
-    assert pending.wait() is source  # the host buffer is free while the spin still runs
+    assert pending.wait(HostSync()) is source  # the host buffer is free while the spin still runs
     overlapped = not before_done.query()
     doubled = on_device * 2  # queued on the current stream: waits for the copy on the device
     assert overlapped, "the host-to-device copy waited for compute queued before it"
@@ -168,7 +169,7 @@ def test_written_columns_leave_from_a_pinned_buffer_not_the_host_master(cuda_fp3
     """The next overlapped CPU update rewrites the host master as soon as the write returns:
     what reaches the bf16 parameter is the master as it was at the call."""
     param = torch.nn.Parameter(torch.randn(8, 16, device=cuda_fp32).to(torch.bfloat16))
-    w = OwnedWeight(param, 0, DataParallel(), offload=False, device_sums=False)
+    w = OwnedWeight(param, 0, DataParallel(), offload=False, device_sums=False, sync=HostSync())
     w.reselect(torch.tensor([1, 5, 9]))
     layout = w.layout
     columns = layout.on(cuda_fp32, "unselected")
@@ -194,7 +195,7 @@ def test_one_copy_stream_per_cuda_device(cuda_fp32):
 
 def test_a_cuda_weights_host_state_is_pinned(cuda_fp32):
     param = torch.nn.Parameter(torch.randn(8, 16, device=cuda_fp32))
-    w = OwnedWeight(param, 0, DataParallel(), offload=False, device_sums=False)
+    w = OwnedWeight(param, 0, DataParallel(), offload=False, device_sums=False, sync=HostSync())
     state = w.state
     for host in (state.host_master, state.host_exp_avg, state.host_exp_avg_sq):
         assert host.device.type == "cpu" and host.is_pinned()
@@ -211,7 +212,7 @@ def test_a_cuda_weights_host_state_is_pinned(cuda_fp32):
 
 def test_a_cpu_weights_host_state_is_never_pinned(cuda_fp32):
     param = torch.nn.Parameter(torch.randn(4, 6))
-    w = OwnedWeight(param, 0, DataParallel(), offload=False, device_sums=False)
+    w = OwnedWeight(param, 0, DataParallel(), offload=False, device_sums=False, sync=HostSync())
     assert not w.state.host_master.is_pinned()
 
 
@@ -372,6 +373,36 @@ def test_device_sums_are_on_by_default_for_one_gpu_rank(cuda_fp32):
     _, host_sums = zenflow_run(cuda_fp32, "eager", flush=True, accumulate_on_device=False)
     assert by_default.stats()["accumulate_on_device"] is True
     assert by_default.stats()["d2h_bytes"] < host_sums.stats()["d2h_bytes"]
+
+
+@pytest.mark.parametrize("accumulate_on_device", [True, False], ids=["device-sums", "host-sums"])
+def test_steps_between_select_boundaries_synchronize_only_through_the_helper(
+    cuda_fp32, accumulate_on_device
+):
+    """Under set_sync_debug_mode("error") any synchronization outside zenflow's helper raises:
+    the ordinary and window-closing steps between two select boundaries run through."""
+    settings = dict(SCHEDULE, select_interval=8, overlap_step=True)
+    model = build("mlp").to(cuda_fp32)
+    opt = ZenFlowAdamW(
+        model.parameters(),
+        step_backend="eager",
+        accumulate_on_device=accumulate_on_device,
+        **settings,
+    )
+    compiled = torch.compile(model, backend="zenflow", options={"inner": "eager"})
+    data = on(cuda_fp32, batches("mlp", 7))
+    train(compiled, opt, data[:2])  # the first selection; compiling; the first window closes
+    for inputs, targets in data[2:]:
+        opt.zero_grad()
+        loss_of("mlp", compiled, inputs, targets).backward()
+        before = opt.stats()["device_syncs"]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert opt.stats()["device_syncs"] - before <= 2
+    assert opt.stats()["cpu_updates"] == 3 and opt.stats()["reselections"] == 1
 
 
 # NCCL with one rank.

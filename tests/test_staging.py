@@ -8,6 +8,7 @@ from torch.testing import assert_close
 from zenflow.runtime import cpu_adam
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.gradient_rows import FACTOR_RATIO
+from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.owned_weight import OwnedWeight
 from zenflow.runtime.staging import base as staging_base
 from zenflow.runtime.staging.contributions import Factors, HostRows, as_tensor
@@ -22,7 +23,9 @@ def owned_weight(device_sums: bool = False, selected=SELECTED, dtype=torch.float
     ``SELECTED`` after six selections of random columns, which leave many columns out of their
     natural places."""
     param = torch.nn.Parameter(torch.randn(OUT, COLUMNS).to(dtype))
-    w = OwnedWeight(param, 0, DataParallel(), offload=False, device_sums=device_sums)
+    w = OwnedWeight(
+        param, 0, DataParallel(), offload=False, device_sums=device_sums, sync=HostSync()
+    )
     if selected == "reselected":
         g = torch.Generator().manual_seed(5)
         for _ in range(6):

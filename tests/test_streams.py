@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.forked import result_in_forked_child
+from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.streams import CopyStream, copy_stream
 
 
@@ -14,7 +15,7 @@ def test_copy_to_host_snapshots_the_source():
     source = torch.arange(12.0).reshape(3, 4)
     pending = CopyStream(torch.device("cpu")).copy_to_host(source)
     source.zero_()  # a compiled graph reusing the buffer right after the hand-off
-    host = pending.wait()
+    host = pending.wait(HostSync())
     assert host.device.type == "cpu"
     assert torch.equal(host, torch.arange(12.0).reshape(3, 4))
 
@@ -39,7 +40,7 @@ def test_an_owned_source_is_copied_by_the_worker_thread_in_order():
     first = torch.full((256, 256), 1.0).as_subclass(Recording)
     second = torch.full((256, 256), 2.0).as_subclass(Recording)
     pending = [stream.copy_to_host(s, out=out, owned=True) for s in (first, second)]
-    assert pending[-1].wait() is out
+    assert pending[-1].wait(HostSync()) is out
     assert torch.equal(out.as_subclass(torch.Tensor), torch.full((256, 256), 2.0))
     assert copied_by and all(name.startswith("zenflow-copy") for name in copied_by)
 
@@ -48,22 +49,44 @@ def test_a_failed_copy_raises_at_wait():
     stream = CopyStream(torch.device("cpu"))
     pending = stream.copy_to_host(torch.ones(3, 4), out=torch.empty(4, 3), owned=True)
     with pytest.raises(RuntimeError, match="size"):
-        pending.wait()
+        pending.wait(HostSync())
 
 
 def _copy_in_child(queue):
     out = torch.empty(64, 64)
-    copied = copy_stream(torch.device("cpu")).copy_to_host(torch.ones(64, 64), out, True).wait()
+    copied = (
+        copy_stream(torch.device("cpu"))
+        .copy_to_host(torch.ones(64, 64), out, True)
+        .wait(HostSync())
+    )
     queue.put(copied.sum().item())
 
 
 def test_a_forked_child_copies_with_its_own_worker():
     stream = copy_stream(torch.device("cpu"))
-    stream.copy_to_host(torch.ones(8), out=torch.empty(8), owned=True).wait()  # parent's thread
+    stream.copy_to_host(torch.ones(8), out=torch.empty(8), owned=True).wait(
+        HostSync()
+    )  # parent's thread
     assert result_in_forked_child(_copy_in_child, "a copy") == 64 * 64
 
 
 def test_copy_to_device_on_cpu_is_the_source():
     source = torch.arange(6.0)
     on_device, pending = CopyStream(torch.device("cpu")).copy_to_device(source)
-    assert on_device is source and pending.wait() is source
+    assert on_device is source and pending.wait(HostSync()) is source
+
+
+def test_one_wait_covers_every_copy_issued_before_it():
+    """The copies run in the order issued: the first wait waits for the latest one, once, and
+    the others are then known done; a copy issued after it takes a wait of its own."""
+    stream = CopyStream(torch.device("cpu"))
+    sync = HostSync()
+    sources = [torch.full((64, 64), float(i)) for i in range(3)]
+    pending = [stream.copy_to_host(s, out=torch.empty(64, 64), owned=True) for s in sources]
+    landed = [copy.wait(sync) for copy in pending]
+    assert sync.count == 1
+    assert all(torch.equal(out, source) for out, source in zip(landed, sources, strict=True))
+    later = stream.copy_to_host(sources[0], out=torch.empty(64, 64), owned=True)
+    later.wait(sync)
+    pending[0].wait(sync)
+    assert sync.count == 2

@@ -10,6 +10,7 @@ import torch
 
 from zenflow.optimizer import ZenFlowAdamW
 from zenflow.runtime.comm import DataParallel
+from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.layout import ColumnLayout
 from zenflow.runtime.staging import staging_for
 
@@ -57,5 +58,11 @@ def test_device_side_sums_need_a_single_process():
     layout = ColumnLayout.natural(2, 0, [(0, 1), (1, 2)])
     with pytest.raises(ValueError, match="single process"):
         staging_for(
-            torch.zeros(2, 2), layout, comm, pin=False, offload=False, accumulate_on_device=True
+            torch.zeros(2, 2),
+            layout,
+            comm,
+            pin=False,
+            offload=False,
+            accumulate_on_device=True,
+            sync=HostSync(),
         )

@@ -449,12 +449,12 @@ def test_a_step_queues_its_device_update_before_waiting_for_the_rows_copy(copy_s
     updated_at_each_wait = []
     wait = PendingCopy.wait
 
-    def recorded_wait(self):
+    def recorded_wait(self, sync):
         now = list(model.parameters())
         updated_at_each_wait.append(
             any(not torch.equal(a, b) for a, b in zip(now, before, strict=True))
         )
-        return wait(self)
+        return wait(self, sync)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(PendingCopy, "wait", recorded_wait)

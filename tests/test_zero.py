@@ -69,6 +69,13 @@ def test_two_ranks_equal_one_rank_and_the_reference(tmp_path, settings):
     oracle.flush()
     assert_close(ranks[0]["params"], list(oracle_model.parameters()), rtol=1e-5, atol=1e-6)
 
+    # Synchronizations with the device per step, on both ranks: steps 2, 4, 6, 8 and 10 are
+    # ordinary, 1, 5 and 9 close a window, 0, 3, 7 and 11 select.
+    for r in ranks:
+        syncs = r["syncs_by_step"]
+        assert max(syncs[s] for s in (2, 4, 6, 8, 10)) <= 1, syncs
+        assert max(syncs[s] for s in (1, 5, 9)) <= 2 and max(syncs) <= 8, syncs
+
     # Each rank holds the host state of half the columns.
     single_host = single_opt.stats()["host_columns"]
     assert ranks[0]["host_columns"] + ranks[1]["host_columns"] == single_host

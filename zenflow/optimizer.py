@@ -206,9 +206,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         yet applied), host_columns (columns whose host state this rank holds), skipped_steps,
         reselections, cpu_updates, blocking_updates (CPU updates that the step(), flush() or
         state dict call which submitted them also waited for: warm-up steps, updates without
-        overlap_step, select boundaries, flushes), d2h_bytes and h2d_bytes (staging, migration,
+        overlap_step, flushes), device_syncs (the times the training thread waited for the
+        device or read a value it computed: ``zenflow.runtime.host_sync``), d2h_bytes and h2d_bytes (staging, migration,
         write-backs), optimizer_wait_s (the training thread blocked on the CPU pool) and its
-        share per phase, optimizer_wait_s_<phase> for ordinary, select (a reselecting step),
+        share per phase, optimizer_wait_s_<phase> for ordinary, select (the first selection),
         window_close, select_boundary, warm_up, flush and state_dict; cpu_adam_s (the CPU AdamW
         updates' run time in the pool, overlapped or not), cpu_accumulate_s (the pool's run
         time adding steps into the windows' host-side sums), accumulate_on_device (whether the

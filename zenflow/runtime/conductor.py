@@ -21,6 +21,7 @@ from zenflow.runtime import auto_interval, cpu_adam, schedule
 from zenflow.runtime.comm import CollectiveError, DataParallel
 from zenflow.runtime.cpu_jobs import SUMS_QUEUED, CPUJobs
 from zenflow.runtime.device_sums import device_sums_for, sums_bytes
+from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.nonfinite import clip_coefficient
 from zenflow.runtime.owned_weight import OwnedWeight
 from zenflow.runtime.pending_update import UpdateEntry
@@ -30,6 +31,7 @@ from zenflow.runtime.selective_step import (
     step_backend_for,
 )
 from zenflow.runtime.staging.contributions import DeviceRows, Factors, HostRows, as_tensor
+from zenflow.runtime.streams import copy_stream
 from zenflow.runtime.vector_state import VectorState
 from zenflow.runtime.window_updates import WindowUpdates
 from zenflow.settings import ZenFlowSettings
@@ -95,6 +97,7 @@ class Conductor:
             cpu_accumulate_s=0.0,
         )
         self.jobs = CPUJobs(settings.pt_reserved_cores_perc, self.counters)
+        self.sync = HostSync()
         self.device_sums = _device_sums(param_groups, settings, comm)
         self.weights: list[OwnedWeight] = []
         self.vectors: list[VectorState] = []
@@ -110,6 +113,7 @@ class Conductor:
                             comm,
                             offload=settings.offload,
                             device_sums=self.device_sums.on,
+                            sync=self.sync,
                             before_norms=self._reduce_vector_grads,
                         )
                     )
@@ -119,7 +123,7 @@ class Conductor:
         self.committed_steps = 0
         self.window_steps = 0
         self.last_step_skipped = False
-        self.updates = WindowUpdates(self.jobs, self.counters)
+        self.updates = WindowUpdates(self.jobs, self.counters, self.sync)
         self.failure: BaseException | None = None
         self.clip_next_step: float | None = None
         self._norm_sq: float | None = None
@@ -169,22 +173,34 @@ class Conductor:
             for w in self.weights:
                 w.collect_gradient()
             owned = [w for w in self.weights if w.staging.staged]
-            self._owned_scale = _common_scale(owned)
-            # Summed where the parts are (each device's, then the host's): one transfer per
-            # device and step, not one per weight.
-            totals: dict[torch.device, torch.Tensor] = {}
+            scales = _gradient_scales(owned)
+            # Summed where the parts are (each device's, then the host's): one number per
+            # device, not one per weight; the owned weights' apart, as ``scales`` apply to them.
+            owned_totals: dict[torch.device, torch.Tensor] = {}
+            vector_totals: dict[torch.device, torch.Tensor] = {}
 
-            def add(part: torch.Tensor) -> None:
+            def add(totals: dict, part: torch.Tensor) -> None:
                 totals[part.device] = part + totals[part.device] if part.device in totals else part
 
             self._scores = {}
             for w in owned:
-                add(w.gradient_norm_sq() * self._owned_scale**2)
+                add(owned_totals, w.gradient_norm_sq())
             self._reduce_vector_grads()
             for v in self.vectors:
                 if v.param.grad is not None:
-                    add(torch.linalg.vector_norm(v.param.grad, dtype=torch.float64) ** 2)
-            self._norm_sq = sum(total.item() for total in totals.values())
+                    add(
+                        vector_totals,
+                        torch.linalg.vector_norm(v.param.grad, dtype=torch.float64) ** 2,
+                    )
+            # The one synchronization of an ordinary step: the rows still on their way to the
+            # host land by the time the norm is known.
+            copies = {copy_stream(w.param.device) for w in owned}
+            parts = [*owned_totals.values(), *vector_totals.values()]
+            values = self.sync.values(parts + ([scales] if scales is not None else []), copies)
+            self._owned_scale = 1.0 if scales is None else _common_scale(values.pop())
+            owned_norm_sq = sum(values[: len(owned_totals)])
+            vector_norm_sq = sum(values[len(owned_totals) :])
+            self._norm_sq = owned_norm_sq * self._owned_scale**2 + vector_norm_sq
         return self._norm_sq
 
     def _reduce_vector_grads(self) -> None:
@@ -202,12 +218,15 @@ class Conductor:
         self._norm_sq = None
         self._vector_grads_reduced = False
 
-    def column_scores(self, w: OwnedWeight) -> torch.Tensor:
-        """This step's importance of each of ``w``'s columns (natural order), computed once
-        and only when a selection or the "auto" rule asks for it."""
-        if w not in self._scores:
-            self._scores[w] = w.staging.scores()
-        return self._scores[w]
+    def column_scores(self, weights: list[OwnedWeight]) -> list[torch.Tensor]:
+        """This step's importance of each column of each of ``weights`` (natural order, on
+        the host), computed once and only when a selection or the "auto" rule asks for it,
+        brought to the host in one synchronization."""
+        missing = [w for w in weights if w not in self._scores]
+        if missing:
+            scores = self.sync.to_host([w.staging.scores() for w in missing])
+            self._scores.update(zip(missing, scores, strict=True))
+        return [self._scores[w] for w in weights]
 
     # The step.
 
@@ -245,8 +264,7 @@ class Conductor:
         # rows take theirs here.
         owned_coefficient = coefficient * self._owned_scale
         reselecting = weights if schedule.reselects(self.schedule, kind) else []
-        for w in reselecting:  # the next selection's scores, before the rows are handed on
-            self.column_scores(w)
+        self.column_scores(reselecting)  # the next selection's, before the rows are handed on
         if kind.select:
             self._reselect(weights)
             self.counters["reselections"] += 1
@@ -263,9 +281,10 @@ class Conductor:
                 and owned_coefficient == 1.0
                 and not (self.settings.overlap_step and schedule.reselects(self.schedule, kind))
             )
+            selected = self._selected_energies(weights) if self.auto is not None else None
             self._accumulate(weights, owned_coefficient, fold_last)
             if self.auto is not None:
-                auto_fired = self._auto_window_full(weights, owned_coefficient)
+                auto_fired = self._auto_window_full(weights, owned_coefficient, selected)
         for w in weights:
             self.counters["d2h_bytes"] += w.staging.staged_bytes
             w.discard_gradient()
@@ -292,15 +311,16 @@ class Conductor:
             if members:
                 yield group_index, members
 
-    def _selection(self, w: OwnedWeight) -> torch.Tensor:
-        return select_top_columns(
-            self.column_scores(w), topk_count(self.settings.topk_ratio, w.columns)
-        )
+    def _selections(self, weights: list[OwnedWeight]) -> list[torch.Tensor]:
+        return [
+            select_top_columns(scores, topk_count(self.settings.topk_ratio, w.columns))
+            for w, scores in zip(weights, self.column_scores(weights), strict=True)
+        ]
 
     @_traced("zenflow::reselect")
     def _reselect(self, weights: list[OwnedWeight]) -> None:
-        for w in weights:
-            to_host, to_device = w.reselect(self._selection(w))
+        for w, selected in zip(weights, self._selections(weights), strict=True):
+            to_host, to_device = w.reselect(selected)
             self.counters["d2h_bytes"] += to_host
             self.counters["h2d_bytes"] += to_device
 
@@ -312,8 +332,8 @@ class Conductor:
         CPU update would make it: mean gradient, the window's lr, weight decay once). Returns
         (weight, migration, updated state rows) for ``_reselect_later``."""
         entered, calls = [], {}
-        for w in weights:
-            migration, rows, sums, sent = w.entering_at_boundary(self._selection(w))
+        for w, selected in zip(weights, self._selections(weights), strict=True):
+            migration, rows, sums, sent = w.entering_at_boundary(selected)
             self.counters["h2d_bytes"] += sent
             entered.append((w, migration, rows))
             calls.setdefault((w.group_index, w.state.device), []).append((rows, sums))
@@ -399,7 +419,7 @@ class Conductor:
                     w.state.host_steps += 1
                 handle = cpu_adam.submit_adamw_step(
                     [w.state.host_master for w in group_weights],
-                    [_pool_rows(c) for c in handed],
+                    [_pool_rows(c, self.sync) for c in handed],
                     [w.state.host_exp_avg for w in group_weights],
                     [w.state.host_exp_avg_sq for w in group_weights],
                     steps=[w.state.host_steps for w in group_weights],
@@ -413,7 +433,7 @@ class Conductor:
                 with torch.profiler.record_function("zenflow::write_unselected"):
                     for w in group_weights:
                         self.counters["h2d_bytes"] += UpdateEntry.of(w, None, None, None).write()
-        self.counters["cpu_updates"] += bool(weights)
+        self.counters["cpu_updates"] += 1 if weights else 0
 
     @_traced("zenflow::window_sums")
     def _accumulate(self, weights: list[OwnedWeight], coefficient: float, fold_last: bool):
@@ -440,17 +460,29 @@ class Conductor:
         if sums:
             self.jobs.queue_sums(sums, rows, releases, coefficient)
 
-    def _auto_window_full(self, weights: list[OwnedWeight], coefficient: float) -> bool:
+    def _selected_energies(self, weights: list[OwnedWeight]) -> torch.Tensor:
+        """Each weight's squared norm of this step's selected rows (before the coefficient),
+        where its scores are, taken before the rows are handed on."""
+        energies = []
+        for w in weights:
+            scores = self._scores[w] if w in self._scores else w.staging.scores()
+            columns = w.layout.on(scores.device, "selected")
+            energies.append(scores[columns].sum(dtype=torch.float64))
+        return torch.stack([energy.to(energies[0].device) for energy in energies])
+
+    def _auto_window_full(
+        self, weights: list[OwnedWeight], coefficient: float, selected: torch.Tensor
+    ) -> bool:
         """update_interval "auto": this step's selected energy against the energy of the
         accumulated unselected sum (its squared norm, summed over ranks)."""
-        # Read once for every weight (the sums are all on one device), not once per weight.
-        energies = torch.stack([w.window.energy() for w in weights]).cpu()
-        piled = self.comm.all_reduce_sum_(energies).tolist()
+        # Read once for every weight, where the sums and the scores are, not once per weight.
+        energies = torch.stack([w.window.energy() for w in weights])
+        energies, selected = self.sync.to_host([energies, selected])
+        piled = self.sync.host_values(self.comm.all_reduce_sum_(energies))
+        selected = self.sync.host_values(selected * coefficient**2)
         observed = {}
-        for w, unselected in zip(weights, piled, strict=True):
-            scores = self.column_scores(w)
-            selected = float(scores[w.layout.device_columns].sum()) * coefficient**2
-            observed[self.weights.index(w)] = (selected, unselected, w.layout.k, w.columns)
+        for w, unselected, energy in zip(weights, piled, selected, strict=True):
+            observed[self.weights.index(w)] = (energy, unselected, w.layout.k, w.columns)
         return self.auto.observe(observed)
 
     # Windows and their CPU updates.
@@ -491,7 +523,7 @@ class Conductor:
                 if not background:  # this call waits for the job it submitted
                     self.updates.apply(update)
                     self.counters["blocking_updates"] += 1
-        self.counters["cpu_updates"] += bool(weights)
+        self.counters["cpu_updates"] += 1 if weights else 0
         if reselecting:
             self._reselect_later(entered)
             done = {id(w) for w, _, _ in entered}
@@ -533,6 +565,7 @@ class Conductor:
             updates_in_flight=len(self.updates.pending),
             host_columns=sum(w.layout.block_rows for w in self.weights),
             accumulate_on_device=self.device_sums.on,
+            device_syncs=self.sync.count,
             **self.counters,
         )
 
@@ -559,21 +592,30 @@ def _device_sums(param_groups, settings: ZenFlowSettings, comm: DataParallel):
     )
 
 
-def _common_scale(weights: list[OwnedWeight]) -> float:
-    """The factor the weights' staged gradients were multiplied by through ``.grad``
-    (clip_grad_norm_'s coefficient): one for all, read once (1.0 where none was applied)."""
+def _gradient_scales(weights: list[OwnedWeight]) -> torch.Tensor | None:
+    """The factors the weights' staged gradients were multiplied by through ``.grad``
+    (clip_grad_norm_'s coefficient), not yet read: a 1-D tensor, one entry where every weight
+    shares one (clip_grad_norm_: one tensor for all); None where none was applied."""
     scales = [w.gradient_scale() for w in weights]
     scaled = [scale for scale in scales if scale is not None]
     if not scaled:
-        return 1.0
-    if len(scaled) == len(scales):
-        if all(scale is scaled[0] for scale in scaled):  # clip_grad_norm_: one tensor for all
-            values = [scaled[0].item()]
-        else:
-            values = torch.stack([s.to(scaled[0].device) for s in scaled]).tolist()
-        if all(value == values[0] for value in values):
-            return values[0]
-    raise RuntimeError(
+        return None
+    if len(scaled) < len(scales):
+        raise _mixed_scales()
+    if all(scale is scaled[0] for scale in scaled):
+        return scaled[0].reshape(1)
+    return torch.stack([s.to(scaled[0].device) for s in scaled])
+
+
+def _common_scale(values: list[float]) -> float:
+    """The one factor of ``_gradient_scales``, read."""
+    if any(value != values[0] for value in values):
+        raise _mixed_scales()
+    return values[0]
+
+
+def _mixed_scales() -> RuntimeError:
+    return RuntimeError(
         "the .grad of some weights owned by ZenFlowAdamW was scaled (clip_grad_norm_, "
         "mul_) and of others not, or by other factors: a step applies one factor to all "
         "its staged gradients; scale them alike (clip_grad_norm_(model.parameters(), ...))"
@@ -585,12 +627,12 @@ def _window_rows(w: OwnedWeight) -> int:
     return w.layout.host_columns.numel()
 
 
-def _pool_rows(contribution):
+def _pool_rows(contribution, sync: HostSync):
     """A contribution's rows as the CPU pool reads them (host rows as they are)."""
     if isinstance(contribution, HostRows):
         return contribution.rows
     rows = as_tensor(contribution)
-    return rows.cpu() if isinstance(contribution, DeviceRows) else rows
+    return sync.to_host([rows])[0] if isinstance(contribution, DeviceRows) else rows
 
 
 def _release(contributions) -> None:

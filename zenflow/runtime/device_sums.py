@@ -44,7 +44,7 @@ def device_sums_for(
     the value). ``free_bytes``: the device memory not yet allocated (asked of the device when
     None)."""
     if requested != "auto":
-        return DeviceSums(bool(requested), "set")
+        return DeviceSums(requested is True, "set")
     if world_size > 1:
         return DeviceSums(False, f"auto: off with {world_size} ranks")
     if offload:

@@ -16,6 +16,7 @@ from zenflow.columns import column_count, column_rows
 from zenflow.runtime import registry
 from zenflow.runtime.column_state import ColumnState
 from zenflow.runtime.comm import DataParallel
+from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.layout import ColumnLayout, Migration
 from zenflow.runtime.param_writes import write_columns
 from zenflow.runtime.staged_gradient import StagedGradient
@@ -29,7 +30,8 @@ class OwnedWeight:
     registry slot, and the step's gradient as ``.grad`` shows it (the ``StagedGradient``, and
     its squared norm once the step or a clip took it: no micro-batch may join after that).
     ``offload``: the selected columns' state lives on the host, and is
-    updated there; ``device_sums``: the window's sum is kept on the weight's device."""
+    updated there; ``device_sums``: the window's sum is kept on the weight's device; ``sync``:
+    the optimizer's counted waits for the device."""
 
     def __init__(
         self,
@@ -39,9 +41,11 @@ class OwnedWeight:
         *,
         offload: bool,
         device_sums: bool,
+        sync: HostSync,
         before_norms=lambda: None,
     ):
         self.param = param
+        self.sync = sync
         # Called before the first norm of a step is taken (the conductor reduces the 1-D
         # parameters' gradients over ranks then: torch's clip_grad_norm_ reads them next).
         self.before_norms = before_norms
@@ -61,6 +65,7 @@ class OwnedWeight:
             pin=self.pin,
             offload=offload,
             accumulate_on_device=device_sums,
+            sync=sync,
         )
         state_device = torch.device("cpu") if offload else param.device
         self.state = ColumnState(param, self.layout, state_device, self.pin)
@@ -232,7 +237,7 @@ class OwnedWeight:
         else:
             buffer, previous = self._to_device_buffers.get(purpose, (None, None))
             if previous is not None:
-                previous.wait()  # the last transfer from this buffer (a window or a step ago)
+                previous.wait(self.sync)  # the last transfer from this buffer
             if buffer is None or buffer.shape[0] < rows.shape[0]:
                 rows_kept = max(rows.shape[0], self.layout.block_rows)  # k may exceed a block
                 buffer = torch.empty(rows_kept, self.out, dtype=self.param.dtype, pin_memory=True)
@@ -251,7 +256,8 @@ class OwnedWeight:
         unselected = self.comm.all_gather_rows(
             state.host_master[layout.k_local :], layout.unselected_counts
         )
-        rows = torch.cat([state.device_master.cpu(), unselected])  # in layout.order()
+        (selected,) = self.sync.to_host([state.device_master])
+        rows = torch.cat([selected, unselected])  # in layout.order()
         in_natural_order = torch.empty_like(rows)
         in_natural_order[layout.order()] = rows
         return in_natural_order.t().reshape(self.param.shape).contiguous()

@@ -41,7 +41,9 @@ class StagedGradient(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __repr__(self) -> str:
-        scale = "" if self.scale is None else f", scaled by {self.scale.item():.6g}"
+        scale = ""
+        if self.scale is not None:
+            scale = f", scaled by {self.owner.sync.values([self.scale])[0]:.6g}"
         return (
             f"StagedGradient(shape={list(self.shape)}, dtype={self.dtype}, "
             f"device={self.device}{scale}: staged by zenflow, see ZenFlowAdamW)"
@@ -60,7 +62,7 @@ class StagedGradient(torch.Tensor):
                 raise _refused(f"mul_ by a tensor of shape {list(factor.shape)}")
             factor = factor.reshape(()).to(self.device, torch.float64)
         else:
-            factor = torch.tensor(float(factor), dtype=torch.float64, device=self.device)
+            factor = torch.tensor(factor, dtype=torch.float64, device=self.device)
         self.scale = factor if self.scale is None else self.scale * factor
         return self
 
@@ -119,7 +121,7 @@ def _staged(t, func) -> StagedGradient:
 def _norm(t: torch.Tensor, ord=2, dim=None, keepdim=False, *, dtype=None) -> torch.Tensor:
     if not isinstance(t, StagedGradient):
         return torch.linalg.vector_norm(t, ord, dim, keepdim, dtype=dtype)
-    if float(ord) != 2.0 or dim is not None:
+    if ord != 2 or dim is not None:
         raise _refused(
             f"a norm of order {ord} over dims {dim}",
             "clip_grad_norm_ with norm_type=2 (the default) is supported",

@@ -4,7 +4,7 @@ CPU.
 CUDA: ``copy_to_host`` snapshots the source on the current stream (a device-side copy, ordered
 before any later compute that may reuse the source's buffer, as compiled graphs do; skipped for
 a source the caller owns), then copies the snapshot to pinned host memory on a side stream;
-``wait()`` synchronizes on that copy's event, so the transfer overlaps with the rest of the
+``wait()`` returns once that copy is done, so the transfer overlaps with the rest of the
 backward pass.
 
 CPU: the device is the host. A source the caller owns is copied by the stream's worker thread
@@ -18,6 +18,11 @@ allocation of this size costs more in page faults than the copy itself.
 ``copy_to_device``: the updated parameters' way back. CUDA: from a pinned host buffer, on the
 side stream, with the current stream made to wait for it on the device; the host buffer is free
 again once the returned copy's ``wait()`` returns. CPU: nothing to copy.
+
+Waiting is one synchronization (``zenflow.runtime.host_sync``) for every copy issued so far:
+the side stream (and its CPU twin) runs its copies in the order issued, so the host waits for
+the latest one, and every copy before it is done too. Waiting for a copy already known done,
+or seen done, costs none.
 """
 
 import functools
@@ -26,32 +31,59 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from zenflow.runtime.host_sync import HostSync
+
 
 class PendingCopy:
-    """A copy in flight; ``wait()`` returns its host tensor once the copy is done (complete,
-    for a copy to the host; free to write again, for one to the device)."""
+    """A copy in flight, the ``seq``-th on its stream (none: done when made); ``wait(sync)``
+    returns its host tensor once the copy is done (complete, for a copy to the host; free to
+    write again, for one to the device)."""
 
-    def __init__(self, host: torch.Tensor, event=None, job: Future | None = None):
+    def __init__(self, host: torch.Tensor, stream: "CopyStream | None" = None, seq: int = 0):
         self._host = host
-        self._event = event
-        self._job = job
+        self._stream = stream
+        self._seq = seq
 
-    def wait(self) -> torch.Tensor:
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
-        if self._job is not None:
-            self._job.result()
-            self._job = None
+    def wait(self, sync: HostSync) -> torch.Tensor:
+        if self._stream is not None:
+            self._stream.wait_through(self._seq, sync)
+            self._stream = None
         return self._host
 
 
 class CopyStream:
+    """Owns a device's side stream (or, for the CPU, its worker thread), the number of copies
+    issued on it (``issued``), how many of them are known done (``done_through``), and the
+    latest copy's event (or job)."""
+
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._worker = None
         self._worker_pid = None
+        self.issued = 0
+        self.done_through = 0
+        self._latest: torch.cuda.Event | Future | None = None
+
+    def _issue(self, mark: "torch.cuda.Event | Future") -> int:
+        self.issued += 1
+        self._latest = mark
+        return self.issued
+
+    def wait_through(self, seq: int, sync: HostSync) -> None:
+        """Return once copy ``seq`` is done: at once if it is known done, else after one
+        synchronization with the latest copy issued (counted alike on every device, whether or
+        not the copy happened to be done already)."""
+        if seq <= self.done_through:
+            return
+        sync.wait(self.latest())
+
+    def latest(self) -> "torch.cuda.Event | Future | None":
+        """The latest copy's event (or job), None if every copy is known done; the caller
+        waits for it, after which every copy issued so far is known done."""
+        latest, self._latest = self._latest, None
+        self.done_through = self.issued
+        return latest
 
     def copy_to_host(
         self, source: torch.Tensor, out: torch.Tensor | None = None, owned: bool = False
@@ -63,7 +95,8 @@ class CopyStream:
                 return PendingCopy(source if owned else source.to("cpu", copy=True))
             if not owned:
                 return PendingCopy(out.copy_(source))
-            return PendingCopy(out, job=self._host_worker().submit(out.copy_, source))
+            job = self._host_worker().submit(out.copy_, source)
+            return PendingCopy(out, self, self._issue(job))
         snapshot = source if owned else source.clone()
         host = out if out is not None else torch.empty_like(source, device="cpu", pin_memory=True)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -72,7 +105,7 @@ class CopyStream:
             snapshot.record_stream(self._stream)
             event = torch.cuda.Event()
             event.record(self._stream)
-        return PendingCopy(host, event)
+        return PendingCopy(host, self, self._issue(event))
 
     def copy_to_device(self, source: torch.Tensor) -> tuple[torch.Tensor, PendingCopy]:
         """``source`` (host) on the device, for work queued on the current stream from now on,
@@ -94,7 +127,7 @@ class CopyStream:
             event.record(self._stream)
         current.wait_event(event)
         device_copy.record_stream(current)
-        return device_copy, PendingCopy(source, event)
+        return device_copy, PendingCopy(source, self, self._issue(event))
 
     def _host_worker(self) -> ThreadPoolExecutor:
         """The CPU twin of the side stream, started on first use; a forked child (a data-loader
@@ -102,6 +135,7 @@ class CopyStream:
         if self._worker is None or self._worker_pid != os.getpid():
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenflow-copy")
             self._worker_pid = os.getpid()
+            self.done_through, self._latest = self.issued, None  # a parent's copies are not ours
         return self._worker
 
 

@@ -14,17 +14,19 @@ import torch
 
 from zenflow.runtime import cpu_adam
 from zenflow.runtime.cpu_jobs import CPUJobs
+from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.owned_weight import OwnedWeight
 from zenflow.runtime.pending_update import PendingUpdate, UpdateEntry
 
 
 class WindowUpdates:
     """Owns the updates in flight (``pending``, oldest first); counts into the optimizer's
-    ``counters`` (the bytes of shipped device-side sums and of write-backs) and waits through
-    its ``jobs``."""
+    ``counters`` (the bytes of shipped device-side sums and of write-backs), waits for CPU jobs
+    through its ``jobs`` and for copies through ``sync``."""
 
-    def __init__(self, jobs: CPUJobs, counters: dict):
+    def __init__(self, jobs: CPUJobs, counters: dict, sync: HostSync):
         self.jobs = jobs
+        self.sync = sync
         self.counters = counters
         self.pending: list[PendingUpdate] = []
 
@@ -49,7 +51,7 @@ class WindowUpdates:
                 entries.append(UpdateEntry.of(w, rounded, window_sum, last))
         # The pool reads the shipped sums: every copy must have landed (they land in order).
         for pending in shipping:
-            shipped = pending.wait()
+            shipped = pending.wait(self.sync)
             self.counters["d2h_bytes"] += shipped.numel() * shipped.element_size()
             sums.append(shipped)
         unselected = [w.state.unselected(w.layout) for w in weights]

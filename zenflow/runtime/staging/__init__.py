@@ -17,6 +17,7 @@ interface and the order of its calls: ``zenflow.runtime.staging.base``.
 import torch
 
 from zenflow.runtime.comm import DataParallel
+from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.layout import ColumnLayout
 from zenflow.runtime.staging.base import Staging
 from zenflow.runtime.staging.copy_stream import CopyStreamStaging
@@ -38,6 +39,7 @@ def staging_for(
     pin: bool,
     offload: bool,
     accumulate_on_device: bool,
+    sync: HostSync,
 ) -> Staging:
     """The strategy for ``param`` (see the table in the module docstring)."""
     if accumulate_on_device and comm.world_size > 1:
@@ -54,7 +56,7 @@ def staging_for(
     else:
         strategy = CopyStreamStaging
     out = param.shape[0]
-    return strategy(layout, out, param.device, comm, pin, offload)
+    return strategy(layout, out, param.device, comm, pin, offload, sync)
 
 
 def _stage_like_a_gpu_weight_for_tests(enabled: bool) -> None:

@@ -7,7 +7,8 @@ backward hands each micro-batch over in one of three forms (``stage_matmul``, ``
 * ``finish()``: every micro-batch is in; reduce over ranks (collectives). Nothing waits for a
   copy here, so that the step can queue device work first;
 * ``norm_sq()`` and ``scores()``: the staged gradient's squared norm (a float64 0-d tensor, on
-  the device where it was formed) and each column's squared norm (natural order, fp32, CPU);
+  the device where it was formed) and each column's squared norm (natural order, fp32, where
+  they were taken: the conductor brings every weight's to the host at once);
 * ``migrate(migration)`` if the step reselects: staged rows change side with their columns;
 * ``selected_rows()``: the selected columns' rows, ``[k, out]`` fp32, where their state is;
 * ``land()``: wait for rows still on their way to the host (an explicit call: nothing else
@@ -31,6 +32,7 @@ from zenflow.runtime.gradient_rows import (
     matmul_rows,
     with_lookup_added,
 )
+from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.layout import ColumnLayout, Migration
 
 
@@ -56,7 +58,8 @@ class Staging:
 
     Owns: the layout it stages for (``layout``, replaced by ``migrate`` and ``adopt``), the
     micro-batch count, the bytes staging moved (``staged_bytes``, counted as device-to-host
-    traffic, also where the device is the CPU, like every count) and its host blocks."""
+    traffic, also where the device is the CPU, like every count) and its host blocks; waits
+    and reads of device values go through the optimizer's ``sync``."""
 
     def __init__(
         self,
@@ -66,8 +69,10 @@ class Staging:
         comm: DataParallel,
         pin: bool,
         offload: bool,
+        sync: HostSync,
     ):
         self.layout = layout
+        self.sync = sync
         self.out = out
         self.device = device
         self.comm = comm

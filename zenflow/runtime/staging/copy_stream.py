@@ -38,7 +38,7 @@ class CopyStreamStaging(StagedInHostBlock):
 
     def land(self) -> None:
         if self._copy is not None:
-            self._copy.wait()
+            self._copy.wait(self.sync)
             self._copy = None
         if self._part is not None:
             copy, block = self._part
@@ -49,5 +49,5 @@ class CopyStreamStaging(StagedInHostBlock):
                 widened[k_local:] = self._block[k_local:]
                 self.blocks.give(self._block)
                 self._block = widened
-            self._block[k_local:] += copy.wait()
+            self._block[k_local:] += copy.wait(self.sync)
             self.blocks.give(block)

@@ -68,21 +68,21 @@ class OrderedStaging(Staging):
         """The scores in row order from the reduced parts: the selected rows' (the same on
         every rank) and each rank's own unselected rows', summed over ranks."""
         layout = self.layout
-        device_part = squared_row_norms(self._selected).cpu()
+        device_part = squared_row_norms(self._selected)
         host_part = torch.zeros(layout.columns - layout.k)
         start = sum(layout.unselected_counts[: layout.rank])
         mine = squared_row_norms(self.host_rows())
         host_part[start : start + mine.numel()] = mine
-        return torch.cat([device_part, self.comm.all_reduce_sum_(host_part)])
+        host_part = self.comm.all_reduce_sum_(host_part)
+        return torch.cat([device_part, host_part.to(device_part.device, non_blocking=True)])
 
     def scores(self) -> torch.Tensor:
         if self._scores_in_order is None:
             self.land()
             self._scores_in_order = self._scores_from_parts()
-        # Kept as returned: the norm and the selection both ask in a select step.
-        self._scores_in_order = self._scores_in_order.float().cpu()
-        scores = torch.empty_like(self._scores_in_order)
-        scores[self.layout.order()] = self._scores_in_order
+        in_order = self._scores_in_order
+        scores = torch.empty_like(in_order, dtype=torch.float32)
+        scores[self.layout.on(in_order.device, "order")] = in_order.float()
         return scores
 
     def norm_sq(self) -> torch.Tensor:

@@ -1,0 +1,99 @@
+"""Synchronizations with the device: one counting helper, and budgets per kind of step."""
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+import zenflow.runtime
+from zenflow.optimizer import ZenFlowAdamW
+from zenflow.runtime import staging as staging_strategies
+
+RUNTIME = pathlib.Path(zenflow.runtime.__file__).parent
+HELPER = RUNTIME / "host_sync.py"
+NOT_IN_A_STEP = {
+    RUNTIME / "cpu_adam.py",  # the CPU pool's binding: host memory and Python numbers only
+    RUNTIME / "reshard.py",  # once, when a checkpoint loads at another world size
+}
+# Methods that wait for a device (or read a value it computed), and builtins that do so when
+# given a tensor: outside the helper, the runtime calls none of them, whatever the argument.
+WAITING_METHODS = {"item", "cpu", "tolist", "synchronize"}
+WAITING_BUILTINS = {"float", "bool"}
+
+
+def waiting_calls(path: pathlib.Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        function = node.func
+        if isinstance(function, ast.Attribute) and function.attr in WAITING_METHODS:
+            found.append(f"{path.name}:{node.lineno} .{function.attr}()")
+        if isinstance(function, ast.Name) and function.id in WAITING_BUILTINS:
+            found.append(f"{path.name}:{node.lineno} {function.id}()")
+    return found
+
+
+def test_the_runtime_waits_for_the_device_only_through_the_helper():
+    sources = sorted(p for p in RUNTIME.rglob("*.py") if p != HELPER and p not in NOT_IN_A_STEP)
+    assert len(sources) > 20
+    found = [call for path in sources for call in waiting_calls(path)]
+    assert found == [], "waits outside zenflow/runtime/host_sync.py: " + ", ".join(found)
+    assert waiting_calls(HELPER), "the helper itself holds the waits the scan looks for"
+
+
+WIDTH = 12
+
+
+def syncs_by_step(weights: int, *, copy_stream: bool, **settings) -> list[tuple[str, int]]:
+    """Trains a stack of ``weights`` Linear layers for 12 steps (update_interval 2,
+    select_interval 4, overlap_step unless given) and returns each step's kind and the
+    synchronizations it took."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(weights):
+        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers)
+    options = dict(topk_ratio=0.25, update_interval=2, select_interval=4, overlap_step=True)
+    options.update(settings)
+    if copy_stream:
+        staging_strategies._stage_like_a_gpu_weight_for_tests(True)
+    try:
+        opt = ZenFlowAdamW(model.parameters(), lr=1e-2, step_backend="eager", **options)
+    finally:
+        staging_strategies._stage_like_a_gpu_weight_for_tests(False)
+    g = torch.Generator().manual_seed(1)
+    counted = []
+    for _step in range(12):
+        x = torch.randn(4, WIDTH, generator=g) * torch.linspace(0.1, 3.0, WIDTH)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        before = opt.stats()
+        opt.step()
+        after = opt.stats()
+        closed = after["cpu_updates"] > before["cpu_updates"]
+        selected = after["reselections"] > before["reselections"]
+        kind = "select" if selected else "window close" if closed else "ordinary"
+        counted.append((kind, after["device_syncs"] - before["device_syncs"]))
+    return counted
+
+
+BUDGETS = {"ordinary": 1, "window close": 2, "select": 8}
+STRATEGIES = {
+    "host block": dict(copy_stream=False),
+    "copy stream": dict(copy_stream=True),
+    "device sums": dict(copy_stream=False, accumulate_on_device=True),
+    "synchronous updates": dict(copy_stream=True, overlap_step=False),
+}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_step_synchronizes_within_its_budget_whatever_the_number_of_weights(strategy):
+    few = syncs_by_step(6, **STRATEGIES[strategy])
+    many = syncs_by_step(24, **STRATEGIES[strategy])
+    assert few == many
+    kinds = [kind for kind, _ in few]
+    assert kinds.count("ordinary") >= 4 and kinds.count("select") == 4
+    over = [(step, kind, n) for step, (kind, n) in enumerate(few) if n > BUDGETS[kind]]
+    assert over == [], f"steps over budget {BUDGETS}: {over}"

@@ -1,0 +1,77 @@
+"""The one place where the training thread waits for a device or reads a value a device
+computed.
+
+[Note: counted synchronizations] Each such point is a round trip: the host stops queueing work
+until the device has caught up, and a device that runs ahead of its host by less than a step
+idles meanwhile. A step's cost in them is a number (``stats()["device_syncs"]``) that tests
+hold to a budget per kind of step. Every call here counts one, whatever the device, so the
+count is the same on a CPU-only machine (where the reads cost nothing) as on a GPU: a test
+there sees the budget a GPU run would. One call may read several tensors or wait for several
+copies: the first read or wait holds the host until the device has done everything queued
+before it, so the rest cost no further round trip.
+
+On a GPU, ``torch.cuda.set_sync_debug_mode("error")`` makes any other synchronization raise;
+the calls here lift it for their own duration.
+"""
+
+import contextlib
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import torch
+
+
+class HostSync:
+    """Owns the count (``count``) of one optimizer's synchronizations."""
+
+    def __init__(self):
+        self.count = 0
+
+    @contextlib.contextmanager
+    def _one(self):
+        self.count += 1
+        if not torch.cuda.is_available():
+            yield
+            return
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    def values(self, tensors: Sequence[torch.Tensor], copies: Sequence = ()) -> list:
+        """Every tensor's value as Python numbers (``tolist``: a 0-d tensor gives a number),
+        in one synchronization; it also waits for every copy issued on the ``copies``
+        streams (``zenflow.runtime.streams.CopyStream``), which finish about when the
+        tensors' values are computed."""
+        with self._one():
+            values = [t.tolist() for t in tensors]
+            for stream in copies:
+                self._wait_for(stream.latest())
+            return values
+
+    @staticmethod
+    def host_values(tensor: torch.Tensor) -> list:
+        """A host tensor's values as Python numbers (a read of host memory, which waits for
+        no device: not counted)."""
+        if tensor.device.type != "cpu":
+            raise ValueError(f"host_values of a tensor on {tensor.device}: use values()")
+        return tensor.tolist()
+
+    def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors on the host, in one synchronization."""
+        with self._one():
+            return [t.cpu() for t in tensors]
+
+    def wait(self, mark: "torch.cuda.Event | Future | None") -> None:
+        """Wait for a copy: its CUDA event, or the CPU copy worker's job."""
+        with self._one():
+            self._wait_for(mark)
+
+    @staticmethod
+    def _wait_for(mark) -> None:
+        if isinstance(mark, Future):
+            mark.result()
+        elif mark is not None:
+            mark.synchronize()
