@@ -43,6 +43,8 @@ Measured per row, after --warmup steps (zenflow: one select cycle, which include
               DeepSpeed analytic ("~": bf16 gradients to the host and bf16 weights back, 2 x 2
               bytes per parameter per step); and, for every row, measured from the profiler's
               memcpy records (HtoD + DtoH bytes over the profiled steps).
+  syncs/step  zenflow: the times a step waited for the device or read a value it computed
+              (stats()["device_syncs"] over the timed steps); n/a for the peers.
 Each row writes DIR/bench_<row>.json as soon as it is timed and again after profiling, then
 DIR/bench.md (the table of every row present so far), so a run cut short still reports.
 """
@@ -561,8 +563,8 @@ def _summarize(args) -> str:
         f"{(first.get('params') or 0) / 1e6:.1f}M parameters",
         "",
         "| row | status | median step | mean | device idle | fwd+bwd share | bytes/step "
-        "| bytes/step (profiler) | peak GPU mem | setup | row / zenflow |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| bytes/step (profiler) | syncs/step | peak GPU mem | setup | row / zenflow |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in records.items():
         median = r.get("median_s")
@@ -578,6 +580,7 @@ def _summarize(args) -> str:
         marker = "~" if r.get("bytes_per_step_source") == "analytic" and moved else ""
         share = r.get("fwd_bwd_share")
         mem = r.get("peak_memory_gb")
+        syncs = (r.get("counters") or {}).get("device_syncs")
         status = r.get("status", "?")
         if status == "failed":
             status = f"failed: {r.get('error', '')[:120]}"
@@ -593,6 +596,7 @@ def _summarize(args) -> str:
                     f"{100 * share:.0f}%" if share is not None else "n/a",
                     marker + _mb(moved) if moved is not None else "n/a",
                     _mb(measured),
+                    f"{syncs / r['steps']:.2f}" if syncs is not None and r.get("steps") else "n/a",
                     f"{mem:.1f} GB" if mem is not None else "n/a",
                     f"{r['setup_s']:.0f}s" if r.get("setup_s") else "n/a",
                     f"{r['mean_s'] / ours:.2f}x"
