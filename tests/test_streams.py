@@ -90,3 +90,12 @@ def test_one_wait_covers_every_copy_issued_before_it():
     later.wait(sync)
     pending[0].wait(sync)
     assert sync.count == 2
+
+
+def test_a_failed_copy_raises_at_the_wait_that_covers_it():
+    stream = CopyStream(torch.device("cpu"))
+    failing = stream.copy_to_host(torch.ones(3, 4), out=torch.empty(4, 3), owned=True)
+    fine = stream.copy_to_host(torch.ones(4), out=torch.empty(4), owned=True)
+    with pytest.raises(RuntimeError, match="size"):
+        fine.wait(HostSync())
+    assert failing.wait(HostSync()) is not None  # known done since: no second raise

@@ -64,14 +64,15 @@ class HostSync:
         with self._one():
             return [t.cpu() for t in tensors]
 
-    def wait(self, mark: "torch.cuda.Event | Future | None") -> None:
-        """Wait for a copy: its CUDA event, or the CPU copy worker's job."""
+    def wait(self, mark: "torch.cuda.Event | list[Future] | None") -> None:
+        """Wait for copies: a CUDA event, or the CPU copy worker's jobs."""
         with self._one():
             self._wait_for(mark)
 
     @staticmethod
     def _wait_for(mark) -> None:
-        if isinstance(mark, Future):
-            mark.result()
+        if isinstance(mark, list):
+            for job in mark:
+                job.result()
         elif mark is not None:
             mark.synchronize()

@@ -21,8 +21,9 @@ again once the returned copy's ``wait()`` returns. CPU: nothing to copy.
 
 Waiting is one synchronization (``zenflow.runtime.host_sync``) for every copy issued so far:
 the side stream (and its CPU twin) runs its copies in the order issued, so the host waits for
-the latest one, and every copy before it is done too. Waiting for a copy already known done,
-or seen done, costs none.
+the latest one, and every copy before it is done too (on the CPU twin: every job not yet
+waited for, so that a failed copy raises whichever wait covers it). Waiting for a copy already
+known done costs none.
 """
 
 import functools
@@ -53,8 +54,9 @@ class PendingCopy:
 
 class CopyStream:
     """Owns a device's side stream (or, for the CPU, its worker thread), the number of copies
-    issued on it (``issued``), how many of them are known done (``done_through``), and the
-    latest copy's event (or job)."""
+    issued on it (``issued``), how many of them are known done (``done_through``), and what
+    waiting for the rest takes: the latest copy's event, or the worker's jobs not yet waited
+    for."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -63,11 +65,14 @@ class CopyStream:
         self._worker_pid = None
         self.issued = 0
         self.done_through = 0
-        self._latest: torch.cuda.Event | Future | None = None
+        self._latest: torch.cuda.Event | list[Future] | None = None
 
     def _issue(self, mark: "torch.cuda.Event | Future") -> int:
         self.issued += 1
-        self._latest = mark
+        if isinstance(mark, Future):
+            self._latest = [*(self._latest or []), mark]
+        else:
+            self._latest = mark
         return self.issued
 
     def wait_through(self, seq: int, sync: HostSync) -> None:
@@ -78,9 +83,10 @@ class CopyStream:
             return
         sync.wait(self.latest())
 
-    def latest(self) -> "torch.cuda.Event | Future | None":
-        """The latest copy's event (or job), None if every copy is known done; the caller
-        waits for it, after which every copy issued so far is known done."""
+    def latest(self) -> "torch.cuda.Event | list[Future] | None":
+        """What to wait for (the latest copy's event, or the worker's jobs), None if every
+        copy is known done; the caller waits for it, after which every copy issued so far is
+        known done."""
         latest, self._latest = self._latest, None
         self.done_through = self.issued
         return latest
