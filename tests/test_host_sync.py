@@ -85,6 +85,9 @@ STRATEGIES = {
     "copy stream": dict(copy_stream=True),
     "device sums": dict(copy_stream=False, accumulate_on_device=True),
     "synchronous updates": dict(copy_stream=True, overlap_step=False),
+    "update_interval auto": dict(
+        copy_stream=True, update_interval="auto", min_update_interval=2, max_update_interval=4
+    ),
 }
 
 

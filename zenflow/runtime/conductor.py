@@ -130,6 +130,8 @@ class Conductor:
         self._vector_grads_reduced = False
         self._owned_scale = 1.0  # the scale of the owned weights' staged gradients this step
         self._scores: dict[OwnedWeight, torch.Tensor] = {}
+        # update_interval "auto": this step's squared norm of each weight's selected rows.
+        self._selected_energy: dict[OwnedWeight, float] = {}
         # (what, param group, device) -> the 0-d lr or clip coefficient of the device update.
         self._scalars: dict[tuple, torch.Tensor] = {}
 
@@ -194,10 +196,15 @@ class Conductor:
                     )
             # The one synchronization of an ordinary step: the rows still on their way to the
             # host land by the time the norm is known.
+            # update_interval "auto" reads the selected rows' energy in the same one.
             copies = {copy_stream(w.param.device) for w in owned}
             parts = [*owned_totals.values(), *vector_totals.values()]
-            values = self.sync.values(parts + ([scales] if scales is not None else []), copies)
+            selected = self._selected_energy_parts(owned) if self.auto and owned else None
+            extra = [t for t in (selected, scales) if t is not None]
+            values = self.sync.values(parts + extra, copies)
             self._owned_scale = 1.0 if scales is None else _common_scale(values.pop())
+            if selected is not None:
+                self._selected_energy = dict(zip(owned, values.pop(), strict=True))
             owned_norm_sq = sum(values[: len(owned_totals)])
             vector_norm_sq = sum(values[len(owned_totals) :])
             self._norm_sq = owned_norm_sq * self._owned_scale**2 + vector_norm_sq
@@ -281,10 +288,12 @@ class Conductor:
                 and owned_coefficient == 1.0
                 and not (self.settings.overlap_step and schedule.reselects(self.schedule, kind))
             )
-            selected = self._selected_energies(weights) if self.auto is not None else None
+            if self.auto is not None and kind.select:  # the new selection's, from host scores
+                energies = self.sync.host_values(self._selected_energy_parts(weights))
+                self._selected_energy = dict(zip(weights, energies, strict=True))
             self._accumulate(weights, owned_coefficient, fold_last)
             if self.auto is not None:
-                auto_fired = self._auto_window_full(weights, owned_coefficient, selected)
+                auto_fired = self._auto_window_full(weights, owned_coefficient)
         for w in weights:
             self.counters["d2h_bytes"] += w.staging.staged_bytes
             w.discard_gradient()
@@ -460,9 +469,9 @@ class Conductor:
         if sums:
             self.jobs.queue_sums(sums, rows, releases, coefficient)
 
-    def _selected_energies(self, weights: list[OwnedWeight]) -> torch.Tensor:
+    def _selected_energy_parts(self, weights: list[OwnedWeight]) -> torch.Tensor:
         """Each weight's squared norm of this step's selected rows (before the coefficient),
-        where its scores are, taken before the rows are handed on."""
+        from its scores where they are, not yet read."""
         energies = []
         for w in weights:
             scores = self._scores[w] if w in self._scores else w.staging.scores()
@@ -470,16 +479,16 @@ class Conductor:
             energies.append(scores[columns].sum(dtype=torch.float64))
         return torch.stack([energy.to(energies[0].device) for energy in energies])
 
-    def _auto_window_full(
-        self, weights: list[OwnedWeight], coefficient: float, selected: torch.Tensor
-    ) -> bool:
-        """update_interval "auto": this step's selected energy against the energy of the
-        accumulated unselected sum (its squared norm, summed over ranks)."""
-        # Read once for every weight, where the sums and the scores are, not once per weight.
+    def _auto_window_full(self, weights: list[OwnedWeight], coefficient: float) -> bool:
+        """update_interval "auto": this step's selected energy (read with the step's norm)
+        against the energy of the accumulated unselected sum (its squared norm, summed over
+        ranks; read once for every weight, a synchronization only where the sums are on the
+        device)."""
         energies = torch.stack([w.window.energy() for w in weights])
-        energies, selected = self.sync.to_host([energies, selected])
+        if self.device_sums.on:
+            (energies,) = self.sync.to_host([energies])
         piled = self.sync.host_values(self.comm.all_reduce_sum_(energies))
-        selected = self.sync.host_values(selected * coefficient**2)
+        selected = [self._selected_energy[w] * coefficient**2 for w in weights]
         observed = {}
         for w, unselected, energy in zip(weights, piled, selected, strict=True):
             observed[self.weights.index(w)] = (energy, unselected, w.layout.k, w.columns)
