@@ -27,10 +27,10 @@ the method reads between two identical backends.
 Table 2: the zenflow optimizer's ``step()`` (topk 0.1, update_interval 4, select_interval 8,
 overlap_step) over select cycles after a first warm-up cycle, by kind of step: ordinary (device
 update + host accumulate); update (overlapped): the window closes, the previous window's CPU
-AdamW is waited for and applied and this one's is submitted to run in the background; update
-before select: the window before a select boundary closes synchronously (the CPU AdamW runs
-inside step()); select (reselection): stats()["reselections"] changes, top-k is chosen from the
-step's importance and per-column state migrates between host and device.
+AdamW is waited for and applied and this one's is submitted to run in the background; select
+boundary: the same, then stats()["reselections"] changes: top-k is chosen from the step's
+importance, the entering columns take the window's update on the device and per-column state
+migrates between host and device.
 
 Table 3: the host time zenflow adds per weight to a backward pass, where compute is negligible
 (24 linear layers 64x64, 64 rows, after a selection; zenflow with inner "eager" against
@@ -201,8 +201,7 @@ def main() -> None:
     kinds: dict[str, list[float]] = {
         "ordinary": [],
         "update (overlapped)": [],
-        "update before select": [],
-        "select (reselection)": [],
+        "select boundary": [],
     }
     selected_backward = []
     cycle = SETTINGS["select_interval"]
@@ -217,9 +216,7 @@ def main() -> None:
         if i < cycle and args.cycles > 1:
             continue  # the first cycle warms up (first selection, variants, allocations)
         if opt.stats()["reselections"] != reselections:
-            kinds["select (reselection)"].append(elapsed)
-        elif (i + 1) % cycle == 0:
-            kinds["update before select"].append(elapsed)
+            kinds["select boundary"].append(elapsed)
         elif (i + 1) % SETTINGS["update_interval"] == 0:
             kinds["update (overlapped)"].append(elapsed)
         else:

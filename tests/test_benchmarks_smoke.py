@@ -49,7 +49,7 @@ def test_bench_compile_overhead_quick():
     assert "## backward" in out and "ratio" in out and "page faults" in out
     control = next(line for line in out.splitlines() if "(control)" in line)
     assert control.split()[-1].endswith("x")  # the control's ratio is printed
-    assert "step kind" in out and "select (reselection)" in out
+    assert "step kind" in out and "select boundary" in out
     assert "## host time added per weight" in out
     alone = _run("bench_compile_overhead.py", "--hand-over-only", "--device", "cpu")
     assert "## host time added per weight" in alone and "## backward" not in alone
