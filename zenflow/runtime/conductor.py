@@ -195,11 +195,12 @@ class Conductor:
                         torch.linalg.vector_norm(v.param.grad, dtype=torch.float64) ** 2,
                     )
             # The one synchronization of an ordinary step: the rows still on their way to the
-            # host land by the time the norm is known.
-            # update_interval "auto" reads the selected rows' energy in the same one.
+            # host land by the time the norm is known, and update_interval "auto" reads the
+            # selected rows' energy with it.
             copies = {copy_stream(w.param.device) for w in owned}
             parts = [*owned_totals.values(), *vector_totals.values()]
-            selected = self._selected_energy_parts(owned) if self.auto and owned else None
+            auto = self.auto is not None and owned
+            selected = self._selected_energy_parts(owned) if auto else None
             extra = [t for t in (selected, scales) if t is not None]
             values = self.sync.values(parts + extra, copies)
             self._owned_scale = 1.0 if scales is None else _common_scale(values.pop())
