@@ -88,6 +88,13 @@ STRATEGIES = {
     "update_interval auto": dict(
         copy_stream=True, update_interval="auto", min_update_interval=2, max_update_interval=4
     ),
+    "update_interval auto, device sums": dict(
+        copy_stream=False,
+        accumulate_on_device=True,
+        update_interval="auto",
+        min_update_interval=2,
+        max_update_interval=4,
+    ),
 }
 
 

@@ -132,6 +132,8 @@ class Conductor:
         self._scores: dict[OwnedWeight, torch.Tensor] = {}
         # update_interval "auto": this step's squared norm of each weight's selected rows.
         self._selected_energy: dict[OwnedWeight, float] = {}
+        # ... and, with device-side sums, the terms of its sum's energy (energy_terms).
+        self._energy_terms: dict[OwnedWeight, list[float]] = {}
         # (what, param group, device) -> the 0-d lr or clip coefficient of the device update.
         self._scalars: dict[tuple, torch.Tensor] = {}
 
@@ -196,14 +198,18 @@ class Conductor:
                     )
             # The one synchronization of an ordinary step: the rows still on their way to the
             # host land by the time the norm is known, and update_interval "auto" reads the
-            # selected rows' energy with it.
+            # selected rows' energy with it, and the terms of the device-side sums' energy.
             copies = {copy_stream(w.param.device) for w in owned}
             parts = [*owned_totals.values(), *vector_totals.values()]
             auto = self.auto is not None and owned
             selected = self._selected_energy_parts(owned) if auto else None
-            extra = [t for t in (selected, scales) if t is not None]
+            terms = self._sum_energy_terms(owned) if auto and self.device_sums.on else None
+            extra = [t for t in (selected, terms, scales) if t is not None]
             values = self.sync.values(parts + extra, copies)
             self._owned_scale = 1.0 if scales is None else _common_scale(values.pop())
+            self._energy_terms = {}
+            if terms is not None:
+                self._energy_terms = dict(zip(owned, values.pop(), strict=True))
             if selected is not None:
                 self._selected_energy = dict(zip(owned, values.pop(), strict=True))
             owned_norm_sq = sum(values[: len(owned_totals)])
@@ -480,15 +486,29 @@ class Conductor:
             energies.append(scores[columns].sum(dtype=torch.float64))
         return torch.stack([energy.to(energies[0].device) for energy in energies])
 
+    def _sum_energy_terms(self, weights: list[OwnedWeight]) -> torch.Tensor | None:
+        """Device-side sums under "auto": each weight's ``WindowSum.energy_terms`` of this
+        step's staged rows, not yet read; None at a step that first selects (its rows move
+        after the norm) or warms up."""
+        kind = schedule.step_kind(self.schedule, self.committed_steps)
+        if kind.select or kind.warm_up:
+            return None
+        return torch.stack([w.window.energy_terms(w.staging.host_rows()) for w in weights])
+
     def _auto_window_full(self, weights: list[OwnedWeight], coefficient: float) -> bool:
         """update_interval "auto": this step's selected energy (read with the step's norm)
         against the energy of the accumulated unselected sum (its squared norm, summed over
-        ranks; read once for every weight, a synchronization only where the sums are on the
-        device)."""
-        energies = torch.stack([w.window.energy() for w in weights])
-        if self.device_sums.on:
-            (energies,) = self.sync.to_host([energies])
-        piled = self.sync.host_values(self.comm.all_reduce_sum_(energies))
+        ranks; read once for every weight: host-side sums without a synchronization, device-side
+        ones from the terms read with the norm, or once here where there are none)."""
+        if self.device_sums.on and all(w in self._energy_terms for w in weights):
+            c = coefficient
+            terms = (self._energy_terms[w] for w in weights)
+            piled = [total + 2 * c * cross + c * c * rows for total, cross, rows in terms]
+        else:
+            energies = torch.stack([w.window.energy() for w in weights])
+            if self.device_sums.on:
+                (energies,) = self.sync.to_host([energies])
+            piled = self.sync.host_values(self.comm.all_reduce_sum_(energies))
         selected = [self._selected_energy[w] * coefficient**2 for w in weights]
         observed = {}
         for w, unselected, energy in zip(weights, piled, selected, strict=True):

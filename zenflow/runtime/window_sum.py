@@ -82,6 +82,17 @@ class WindowSum:
         """The sum's squared norm, fp64 (without an fp64 copy of the sum)."""
         return torch.linalg.vector_norm(self.sum, dtype=torch.float64).square()
 
+    def energy_terms(self, rows: torch.Tensor) -> torch.Tensor:
+        """For ``rows`` about to join the sum with a coefficient ``c`` not known yet (in host
+        row order, where the sum is): ``||sum||^2``, ``<sum, rows>`` and ``||rows||^2`` (fp64),
+        from which ``||sum + c rows||^2`` is formed once ``c`` is known."""
+        rows_sq = torch.linalg.vector_norm(rows, dtype=torch.float64).square()
+        if self.sum is None or self.sum.shape != rows.shape:
+            zero = torch.zeros((), dtype=torch.float64, device=rows.device)
+            return torch.stack([zero, zero, rows_sq])
+        cross = torch.sum(self.sum * rows, dtype=torch.float64)
+        return torch.stack([self.energy(), cross, rows_sq])
+
     def _sum_deferred(self) -> None:
         if self.deferred:
             xs, dys, columns = zip(*self.deferred, strict=True)
