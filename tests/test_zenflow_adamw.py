@@ -462,10 +462,12 @@ def test_a_step_queues_its_device_update_before_waiting_for_the_rows_copy(copy_s
     assert updated_at_each_wait and updated_at_each_wait[0]
 
 
+@pytest.mark.parametrize("sums", ["host", "device, clipped"])
 @pytest.mark.parametrize("overlap_step", [False, True])
-def test_update_interval_auto_equals_the_oracles(overlap_step, staging):
+def test_update_interval_auto_equals_the_oracles(overlap_step, sums, staging):
     """The oracle decides "auto"'s windows by its own reading of the rule: the same windows
-    (CPU updates), the same values."""
+    (CPU updates), the same values. Device-side sums' energy is formed from terms read with
+    the step's norm (``||sum + c rows||^2`` once the clip coefficient c is known)."""
     settings = dict(
         lr=1e-2,
         topk_ratio=0.25,
@@ -474,6 +476,7 @@ def test_update_interval_auto_equals_the_oracles(overlap_step, staging):
         max_update_interval=5,
         select_interval=12,
         overlap_step=overlap_step,
+        max_grad_norm=0.05 if sums == "device, clipped" else None,
     )
     data = teacher_task(36)
     models = []
@@ -482,7 +485,9 @@ def test_update_interval_auto_equals_the_oracles(overlap_step, staging):
         model = torch.nn.Sequential(
             torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)
         )
-        extra = dict(step_backend="eager") if make is ZenFlowAdamW else {}
+        extra = {}
+        if make is ZenFlowAdamW:
+            extra = dict(step_backend="eager", accumulate_on_device=sums != "host")
         opt = make(model.parameters(), **settings, **extra)
         for x, y in data:
             opt.zero_grad()
