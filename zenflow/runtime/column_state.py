@@ -21,7 +21,6 @@ from zenflow.runtime.migration import (
     entering_rows,
     leaving_rows,
     move_host_rows,
-    move_rows,
     moved_bytes,
     place_device_rows,
 )
@@ -65,10 +64,9 @@ class ColumnState:
         """Move the changing columns' rows; returns the bytes this rank moved (to the host,
         to the device)."""
         assert self.unsettled is None, "a reselection before the last one settled"
-        pairs = list(zip(self.host(), self.device_rows(), strict=True))
-        device, to_host, to_device = move_rows(migration, pairs, comm, self.pin)
-        self.device_master, self.device_exp_avg, self.device_exp_avg_sq, self.device_steps = device
-        return to_host, to_device
+        moved = self.migrate_later(migration, self.entering(migration, comm))
+        self.settle()
+        return moved
 
     def entering(self, migration: Migration, comm: DataParallel) -> list[torch.Tensor]:
         """The entering columns' rows (master, moments, steps) on the device, read from the

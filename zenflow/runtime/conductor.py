@@ -293,7 +293,7 @@ class Conductor:
                 kind.update_boundary
                 and self.auto is None
                 and owned_coefficient == 1.0
-                and not (self.settings.overlap_step and schedule.reselects(self.schedule, kind))
+                and not (self.settings.overlap_step and reselecting)
             )
             if self.auto is not None and kind.select:  # the new selection's, from host scores
                 energies = self.sync.host_values(self._selected_energy_parts(weights))
@@ -346,7 +346,8 @@ class Conductor:
         next selection of each of ``weights``, and the closing window's update of the
         columns entering it, on the device (one AdamW call per param group and device, as the
         CPU update would make it: mean gradient, the window's lr, weight decay once). Returns
-        (weight, migration, updated state rows) for ``_reselect_later``."""
+        (weight, migration, updated state rows) for ``_reselect_later``. Runs eagerly: once per
+        select interval, on tensors of new shapes each time."""
         entered, calls = [], {}
         for w, selected in zip(weights, self._selections(weights), strict=True):
             migration, rows, sums, sent = w.entering_at_boundary(selected)
@@ -540,11 +541,13 @@ class Conductor:
         # A synchronous update writes its weights' columns to the parameters right after the
         # pending one would have: the pending result is not written for those.
         self.updates.apply_pending(rewritten=() if background else weights)
-        in_update = {id(w) for w in weights}
+        # The weights whose CPU update is submitted now select on the device before it; the
+        # others (no open window) have no update running over their host rows.
+        later = [w for w in reselecting if w in weights] if background else []
         entered = []
-        if background and reselecting:
+        if later:
             self.jobs.finish_sums()  # the entering columns' sums include this step's rows
-            entered = self._enter_on_device([w for w in reselecting if id(w) in in_update])
+            entered = self._enter_on_device(later)
         with contextlib.nullcontext() if background else self.jobs.every_core():
             for group_index, group_weights in self.by_group(weights):
                 hyper = self._hyper(group_index)
@@ -556,8 +559,7 @@ class Conductor:
         self.counters["cpu_updates"] += 1 if weights else 0
         if reselecting:
             self._reselect_later(entered)
-            done = {id(w) for w, _, _ in entered}
-            self._reselect([w for w in reselecting if id(w) not in done])
+            self._reselect([w for w in reselecting if w not in later])
             self.counters["reselections"] += 1
         self.window_steps = 0
         if self.auto is not None:
