@@ -15,6 +15,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "thread_pool.h"
 
 #define ZF_API extern "C" __attribute__((visibility("default")))
@@ -60,12 +64,80 @@ void gather_tiles(const T* matrix, int64_t matrix_stride, const int64_t* idx, in
   }
 }
 
+#if defined(__SSE2__)
+// K x K blocks of 16-byte vectors (K = 16 / sizeof(T)): in[w] holds K elements of source row w,
+// out[i] element i of every source row, in source row order.
+template <typename T>
+struct Transpose;
+
+template <>
+struct Transpose<uint32_t> {
+  static constexpr int64_t K = 4;
+  static void block(const __m128i* in, __m128i* out) {
+    const __m128i a = _mm_unpacklo_epi32(in[0], in[1]);
+    const __m128i b = _mm_unpackhi_epi32(in[0], in[1]);
+    const __m128i c = _mm_unpacklo_epi32(in[2], in[3]);
+    const __m128i d = _mm_unpackhi_epi32(in[2], in[3]);
+    out[0] = _mm_unpacklo_epi64(a, c);
+    out[1] = _mm_unpackhi_epi64(a, c);
+    out[2] = _mm_unpacklo_epi64(b, d);
+    out[3] = _mm_unpackhi_epi64(b, d);
+  }
+};
+
+template <>
+struct Transpose<uint16_t> {
+  static constexpr int64_t K = 8;
+  static void block(const __m128i* in, __m128i* out) {
+    __m128i a[8], b[8];
+    for (int p = 0; p < 4; ++p) {
+      a[2 * p] = _mm_unpacklo_epi16(in[2 * p], in[2 * p + 1]);
+      a[2 * p + 1] = _mm_unpackhi_epi16(in[2 * p], in[2 * p + 1]);
+    }
+    for (int h = 0; h < 2; ++h) {
+      for (int q = 0; q < 2; ++q) {
+        b[4 * h + 2 * q] = _mm_unpacklo_epi32(a[4 * h + q], a[4 * h + q + 2]);
+        b[4 * h + 2 * q + 1] = _mm_unpackhi_epi32(a[4 * h + q], a[4 * h + q + 2]);
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      out[2 * i] = _mm_unpacklo_epi64(b[i], b[i + 4]);
+      out[2 * i + 1] = _mm_unpackhi_epi64(b[i], b[i + 4]);
+    }
+  }
+};
+
+// Scatter of buffer rows j0 + [0, K) (sources `from`, each read from element r on) into matrix
+// rows r + [0, K): one transpose in registers; each matrix row's K elements go out as one
+// store where their columns are consecutive, else one by one.
+template <typename T>
+void scatter_block(T* matrix, int64_t matrix_stride, const int64_t* columns, const T* const* from,
+                   int64_t r) {
+  constexpr int64_t K = Transpose<T>::K;
+  __m128i in[K], out[K];
+  for (int64_t w = 0; w < K; ++w) in[w] = _mm_loadu_si128((const __m128i*)(from[w] + r));
+  Transpose<T>::block(in, out);
+  const bool consecutive = columns[K - 1] - columns[0] == K - 1;  // ascending and distinct
+  for (int64_t i = 0; i < K; ++i) {
+    T* line = matrix + (r + i) * matrix_stride;
+    if (consecutive) {
+      _mm_storeu_si128((__m128i*)(line + columns[0]), out[i]);
+    } else {
+      alignas(16) T values[K];
+      _mm_store_si128((__m128i*)values, out[i]);
+      for (int64_t w = 0; w < K; ++w) line[columns[w]] = values[w];
+    }
+  }
+}
+#endif
+
 // Scatter: rows [r_begin, r_end) of the row-major matrix take their elements of the buffer's
 // rows, tile by tile, with the columns in ascending order (buffer row by_column[j] holds column
 // columns[j]) so that each matrix row is written front to back. Reading a tile's source lines
 // waits on memory (one line per buffer row, rows far apart): the next tile's are prefetched. A
 // few columns (a selection) go in tiles of every column and a line's worth of matrix rows: each
-// matrix row is then written in one pass, as a stream, with the source lines held in L1.
+// matrix row is then written in one pass, as a stream, with the source lines held in L1. Many
+// columns go through transposes in registers, K x K elements at a time.
 template <typename T>
 void scatter_tiles(T* matrix, int64_t matrix_stride, const int64_t* columns,
                    const int64_t* by_column, int64_t n, const T* rows, int64_t rows_stride,
@@ -83,9 +155,28 @@ void scatter_tiles(T* matrix, int64_t matrix_stride, const int64_t* columns,
           for (int64_t e = 0; e < r_tile; e += kLineElements<T>) __builtin_prefetch(next + e);
         }
       }
+      // The part of the tile left to the scalar loop: all of it, or its edges.
+      int64_t r_done = r0, j_done = j0;
+#if defined(__SSE2__)
+      constexpr int64_t K = Transpose<T>::K;
+      if (!few) {
+        r_done = r0 + (r1 - r0) / K * K;
+        j_done = j0 + (j1 - j0) / K * K;
+        for (int64_t j = j0; j < j_done; j += K) {
+          const T* from[K];
+          for (int64_t w = 0; w < K; ++w) from[w] = rows + by_column[j + w] * rows_stride;
+          for (int64_t r = r0; r < r_done; r += K) {
+            scatter_block(matrix, matrix_stride, columns + j, from, r);
+          }
+        }
+      }
+#endif
       for (int64_t r = r0; r < r1; ++r) {
         T* line = matrix + r * matrix_stride;
-        for (int64_t j = j0; j < j1; ++j) line[columns[j]] = rows[by_column[j] * rows_stride + r];
+        const int64_t j_from = r < r_done ? j_done : j0;
+        for (int64_t j = j_from; j < j1; ++j) {
+          line[columns[j]] = rows[by_column[j] * rows_stride + r];
+        }
       }
     }
   }
