@@ -376,11 +376,13 @@ def test_device_sums_are_on_by_default_for_one_gpu_rank(cuda_fp32):
 
 
 @pytest.mark.parametrize("accumulate_on_device", [True, False], ids=["device-sums", "host-sums"])
-def test_steps_between_select_boundaries_synchronize_only_through_the_helper(
+def test_steps_up_to_and_past_a_select_boundary_synchronize_only_through_the_helper(
     cuda_fp32, accumulate_on_device
 ):
     """Under set_sync_debug_mode("error") any synchronization outside zenflow's helper raises:
-    the ordinary and window-closing steps between two select boundaries run through."""
+    ordinary and window-closing steps, a select boundary (scores read, leaving rows sent on
+    the copy stream, index tensors through pinned memory) and the step after it run
+    through."""
     settings = dict(SCHEDULE, select_interval=8, overlap_step=True)
     model = build("mlp").to(cuda_fp32)
     opt = ZenFlowAdamW(
@@ -390,9 +392,9 @@ def test_steps_between_select_boundaries_synchronize_only_through_the_helper(
         **settings,
     )
     compiled = torch.compile(model, backend="zenflow", options={"inner": "eager"})
-    data = on(cuda_fp32, batches("mlp", 7))
+    data = on(cuda_fp32, batches("mlp", 9))
     train(compiled, opt, data[:2])  # the first selection; compiling; the first window closes
-    for inputs, targets in data[2:]:
+    for step, (inputs, targets) in enumerate(data[2:], start=2):
         opt.zero_grad()
         loss_of("mlp", compiled, inputs, targets).backward()
         before = opt.stats()["device_syncs"]
@@ -401,8 +403,8 @@ def test_steps_between_select_boundaries_synchronize_only_through_the_helper(
             opt.step()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        assert opt.stats()["device_syncs"] - before <= 2
-    assert opt.stats()["cpu_updates"] == 3 and opt.stats()["reselections"] == 1
+        assert opt.stats()["device_syncs"] - before <= (8 if step == 7 else 2), step
+    assert opt.stats()["cpu_updates"] == 4 and opt.stats()["reselections"] == 2
 
 
 # NCCL with one rank.

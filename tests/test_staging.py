@@ -309,6 +309,7 @@ def test_every_micro_batch_takes_the_copy_stream_to_the_host(copy_stream_staging
     """A weight on a GPU (the copy stream's path, here on its CPU twin): a later micro-batch's
     unselected rows start for the host as the first one's do and are added into the staged sum
     once landed, rather than fetched synchronously in the middle of backward."""
+    w = owned_weight()
     sent = []
     copy_to_host = CopyStream.copy_to_host
 
@@ -318,7 +319,6 @@ def test_every_micro_batch_takes_the_copy_stream_to_the_host(copy_stream_staging
 
     monkeypatch.setattr(CopyStream, "copy_to_host", recording)
     g = torch.Generator().manual_seed(7)
-    w = owned_weight()
     grad_t = torch.zeros(COLUMNS, OUT)
     for _ in range(3):
         x, dy = torch.randn(16, COLUMNS, generator=g), torch.randn(16, OUT, generator=g)

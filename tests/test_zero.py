@@ -7,7 +7,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.testing import assert_close
 
-from tests.distributed_worker import run, train
+from tests.distributed_worker import collectives_by_step, run, train
 from tests.models import batches, build, loss_of
 from zenflow.reference import ReferenceZenFlowAdamW
 
@@ -92,3 +92,30 @@ def test_two_ranks_equal_one_rank_and_the_reference(tmp_path, settings):
             (mine, unselected), (theirs, _) = (r["staged_rows_after_backward"][step] for r in ranks)
             assert [a + b for a, b in zip(mine, theirs, strict=True)] == unselected
             assert all(a < u for a, u in zip(mine, unselected, strict=True))
+
+
+def counted_steps(tmp_path, weights: int, zero_stage: int) -> list:
+    out = tmp_path / f"{weights}-weights"
+    out.mkdir()
+    settings = dict(zero_stage=zero_stage, weights=weights)
+    args = (2, free_port(), str(out), settings)
+    mp.spawn(collectives_by_step, args=args, nprocs=2, join=True)
+    return torch.load(out / "rank0.pt")
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_a_step_sums_every_weights_scores_over_ranks_in_one_collective(tmp_path, zero_stage):
+    """Host tensors cross through the collective's device, as with NCCL. Per ordinary step, a
+    weight adds only its gradient's own reductions (its selected rows, and its bias, averaged;
+    at stage 1 also its unselected rows, reduced in the step): the columns' scores of every
+    weight are summed in one collective, which the host does not wait for."""
+    few, many = (counted_steps(tmp_path, n, zero_stage) for n in (6, 24))
+    assert [syncs for syncs, _ in few] == [syncs for syncs, _ in many]
+    syncs = [syncs for syncs, _ in few]
+    ordinary = (2, 4, 6, 8, 10)  # 1, 5 and 9 close a window; 0, 3, 7 and 11 select
+    assert max(syncs[s] for s in ordinary) <= 1, syncs
+    assert max(syncs[s] for s in (1, 5, 9)) <= 2 and max(syncs) <= 8, syncs
+    per_weight = {1: 3, 2: 2}[zero_stage]
+    for s in ordinary:
+        (_, fewer), (_, more) = few[s], many[s]
+        assert more["all_reduce"] - fewer["all_reduce"] == 18 * per_weight, (s, fewer, more)

@@ -16,6 +16,7 @@ import torch
 
 from zenflow.columns import column_rows
 from zenflow.runtime.comm import DataParallel
+from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.layout import ColumnLayout, Migration
 from zenflow.runtime.migration import (
     entering_rows,
@@ -24,6 +25,7 @@ from zenflow.runtime.migration import (
     moved_bytes,
     place_device_rows,
 )
+from zenflow.runtime.streams import PendingCopy
 
 
 class ColumnState:
@@ -31,11 +33,19 @@ class ColumnState:
     rows, out]`` fp32; ``host_steps``: ``[block rows]`` int64) and the device rows
     (``device_*``: ``[k, out]`` fp32 and ``[k]`` int64 on ``device``), and the host rows'
     moves a reselection left for later (``unsettled``: the migration and the leaving columns'
-    rows, on the host)."""
+    rows, on their way to the host); waits for those through the optimizer's ``sync``."""
 
-    def __init__(self, param: torch.Tensor, layout: ColumnLayout, device: torch.device, pin: bool):
+    def __init__(
+        self,
+        param: torch.Tensor,
+        layout: ColumnLayout,
+        device: torch.device,
+        pin: bool,
+        sync: HostSync,
+    ):
         self.device = device
         self.pin = pin
+        self.sync = sync
         out = param.shape[0]
         rows = layout.block_rows
         self.host_master = torch.empty(rows, out, pin_memory=pin)
@@ -47,7 +57,7 @@ class ColumnState:
         self.device_exp_avg = torch.empty(0, out, device=device)
         self.device_exp_avg_sq = torch.empty(0, out, device=device)
         self.device_steps = torch.empty(0, dtype=torch.int64, device=device)
-        self.unsettled: tuple[Migration, list[torch.Tensor]] | None = None
+        self.unsettled: tuple[Migration, list[PendingCopy]] | None = None
 
     def host(self) -> list[torch.Tensor]:
         return [self.host_master, self.host_exp_avg, self.host_exp_avg_sq, self.host_steps]
@@ -60,14 +70,6 @@ class ColumnState:
         steps)."""
         return [t[layout.k_local :] for t in self.host()]
 
-    def migrate(self, migration: Migration, comm: DataParallel) -> tuple[int, int]:
-        """Move the changing columns' rows; returns the bytes this rank moved (to the host,
-        to the device)."""
-        assert self.unsettled is None, "a reselection before the last one settled"
-        moved = self.migrate_later(migration, self.entering(migration, comm))
-        self.settle()
-        return moved
-
     def entering(self, migration: Migration, comm: DataParallel) -> list[torch.Tensor]:
         """The entering columns' rows (master, moments, steps) on the device, read from the
         host rows now: a CPU update about to be submitted rewrites them."""
@@ -79,10 +81,11 @@ class ColumnState:
 
     def migrate_later(self, migration: Migration, entering: list[torch.Tensor]) -> tuple[int, int]:
         """The new selection on the device now (``entering``: its new columns' rows); the host
-        rows move once ``settle`` is called. Returns the bytes this rank moves, as
-        ``migrate``."""
+        rows move once ``settle`` is called. Returns the bytes this rank moves (to the host,
+        to the device)."""
+        assert self.unsettled is None, "a reselection before the last one settled"
         pairs = list(zip(self.host(), self.device_rows(), strict=True))
-        leaving = leaving_rows(migration, pairs, self.pin)
+        leaving = leaving_rows(migration, pairs)
         device = [
             place_device_rows(migration, rows, new)
             for rows, new in zip(self.device_rows(), entering, strict=True)
@@ -95,7 +98,7 @@ class ColumnState:
         """The host rows' moves of the last reselection, once no CPU update reads them."""
         if self.unsettled is not None:
             migration, leaving = self.unsettled
-            move_host_rows(migration, self.host(), leaving)
+            move_host_rows(migration, self.host(), leaving, self.sync)
             self.unsettled = None
 
     def load(self, host: list[torch.Tensor], device: list[torch.Tensor]) -> None:

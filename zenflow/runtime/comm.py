@@ -15,6 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from zenflow.runtime.host_sync import HostSync
+
 
 class CollectiveError(RuntimeError):
     """A collective failed: a peer rank died or did not respond within the timeout."""
@@ -40,13 +42,15 @@ _host_tensors_via_for_tests: torch.device | None = None
 
 class DataParallel:
     """One optimizer's data-parallel group: its ZeRO stage, world size and rank, and the
-    device host tensors cross through for a backend that moves device tensors only."""
+    device host tensors cross through for a backend that moves device tensors only. Counts
+    the host's reads of collectives' results with ``sync`` (the optimizer's)."""
 
-    def __init__(self, zero_stage: int = 2, group=None):
+    def __init__(self, zero_stage: int = 2, group=None, sync: HostSync | None = None):
         if zero_stage not in (1, 2):
             raise ValueError(f"zero_stage must be 1 or 2, got {zero_stage}")
         self.zero_stage = zero_stage
         self.group = group
+        self.sync = HostSync() if sync is None else sync
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if distributed else 1
         self.rank = dist.get_rank(group) if distributed else 0
@@ -79,6 +83,30 @@ class DataParallel:
             if work is not tensor:
                 tensor.copy_(work)
         return tensor
+
+    def sum_over_ranks(self, parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """Each of ``parts`` (1-D, fp32, on the host or ``device``) summed over ranks, on
+        ``device``, in one collective for all of them. Nothing crosses back to the host: with
+        NCCL a host part is reduced on the GPU and stays there."""
+        if not parts:
+            return []
+        device = torch.device(device)
+        total = torch.cat([part.to(device, non_blocking=True) for part in parts])
+        if self.world_size > 1:
+            work = self._collective_tensor(total)
+            run_collective("all_reduce", self.world_size, dist.all_reduce, work, group=self.group)
+            total = work.to(device, non_blocking=True)
+        return list(total.split([part.numel() for part in parts]))
+
+    def host_sums(self, values: torch.Tensor) -> list[float]:
+        """``values`` (1-D, on the host) summed over ranks, as Python numbers. At one rank a
+        read of host memory; at several the host reads the collective's result: one counted
+        synchronization, wherever the collective ran."""
+        if self.world_size == 1:
+            return HostSync.host_values(values)
+        work = self._collective_tensor(values.clone())
+        run_collective("all_reduce", self.world_size, dist.all_reduce, work, group=self.group)
+        return self.sync.values([work])[0]
 
     def _padded(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``rows`` (the concatenation of chunks of ``counts`` rows) as equal chunks."""

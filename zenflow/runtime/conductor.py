@@ -97,7 +97,7 @@ class Conductor:
             cpu_accumulate_s=0.0,
         )
         self.jobs = CPUJobs(settings.pt_reserved_cores_perc, self.counters)
-        self.sync = HostSync()
+        self.sync = comm.sync  # the optimizer's one count, shared with its collectives
         self.device_sums = _device_sums(param_groups, settings, comm)
         self.weights: list[OwnedWeight] = []
         self.vectors: list[VectorState] = []
@@ -114,7 +114,7 @@ class Conductor:
                             offload=settings.offload,
                             device_sums=self.device_sums.on,
                             sync=self.sync,
-                            before_norms=self._reduce_vector_grads,
+                            before_norms=self._before_norms,
                         )
                     )
                 else:
@@ -127,7 +127,7 @@ class Conductor:
         self.failure: BaseException | None = None
         self.clip_next_step: float | None = None
         self._norm_sq: float | None = None
-        self._vector_grads_reduced = False
+        self._reduced_for_norms = False
         self._owned_scale = 1.0  # the scale of the owned weights' staged gradients this step
         self._scores: dict[OwnedWeight, torch.Tensor] = {}
         # update_interval "auto": this step's squared norm of each weight's selected rows.
@@ -189,7 +189,7 @@ class Conductor:
             self._scores = {}
             for w in owned:
                 add(owned_totals, w.gradient_norm_sq())
-            self._reduce_vector_grads()
+            self._before_norms()
             for v in self.vectors:
                 if v.param.grad is not None:
                     add(
@@ -217,20 +217,33 @@ class Conductor:
             self._norm_sq = owned_norm_sq * self._owned_scale**2 + vector_norm_sq
         return self._norm_sq
 
-    def _reduce_vector_grads(self) -> None:
-        """Average the 1-D parameters' gradients over ranks, once per step, before any norm
-        is taken: ``clip_grad_norm_`` reads them beside the owned weights' reduced norms."""
-        if not self._vector_grads_reduced:
-            for v in self.vectors:
-                if v.param.grad is not None:
-                    self.comm.all_reduce_mean_(v.param.grad)
-            self._vector_grads_reduced = True
+    def _before_norms(self) -> None:
+        """Once per step, before any norm is taken: the 1-D parameters' gradients are averaged
+        over ranks (``clip_grad_norm_`` reads them beside the owned weights' reduced norms),
+        and every staged weight's gradient is reduced, the columns' scores of all of them
+        summed over ranks in one collective (a weight's norm is the sum of its scores)."""
+        if self._reduced_for_norms:
+            return
+        self._reduced_for_norms = True
+        for v in self.vectors:
+            if v.param.grad is not None:
+                self.comm.all_reduce_mean_(v.param.grad)
+        owned = [w for w in self.weights if w.staging.staged]
+        for w in owned:
+            w.finish_gradient()
+        shares = [(w, w.staging.rank_scores()) for w in owned]
+        shares = [(w, share) for w, share in shares if share is not None]
+        if shares:
+            device = shares[0][0].param.device
+            summed = self.comm.sum_over_ranks([share for _, share in shares], device)
+            for (w, _), scores in zip(shares, summed, strict=True):
+                w.staging.adopt_summed_scores(scores)
 
     def discard_staged(self) -> None:
         for w in self.weights:
             w.discard_gradient()
         self._norm_sq = None
-        self._vector_grads_reduced = False
+        self._reduced_for_norms = False
 
     def column_scores(self, weights: list[OwnedWeight]) -> list[torch.Tensor]:
         """This step's importance of each column of each of ``weights`` (natural order, on
@@ -255,7 +268,7 @@ class Conductor:
         max_norm = self.clip_next_step or self.max_grad_norm
         self.clip_next_step = None
         self._norm_sq = None
-        self._vector_grads_reduced = False
+        self._reduced_for_norms = False
         weights = [w for w in self.weights if w.staging.staged]
         vectors = [v for v in self.vectors if v.param.grad is not None]
         if not weights and not vectors:
@@ -336,9 +349,11 @@ class Conductor:
     @_traced("zenflow::reselect")
     def _reselect(self, weights: list[OwnedWeight]) -> None:
         for w, selected in zip(weights, self._selections(weights), strict=True):
-            to_host, to_device = w.reselect(selected)
+            to_host, to_device = w.reselect(selected, settle=False)
             self.counters["d2h_bytes"] += to_host
             self.counters["h2d_bytes"] += to_device
+        for w in weights:  # one wait for every weight's leaving rows
+            w.state.settle()
 
     @_traced("zenflow::reselect")
     def _enter_on_device(self, weights: list[OwnedWeight]) -> list:
@@ -509,7 +524,7 @@ class Conductor:
             energies = torch.stack([w.window.energy() for w in weights])
             if self.device_sums.on:
                 (energies,) = self.sync.to_host([energies])
-            piled = self.sync.host_values(self.comm.all_reduce_sum_(energies))
+            piled = self.comm.host_sums(energies)
         selected = [self._selected_energy[w] * coefficient**2 for w in weights]
         observed = {}
         for w, unselected, energy in zip(weights, piled, selected, strict=True):

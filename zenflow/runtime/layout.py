@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zenflow.runtime.streams import index_on
+
 
 @dataclass(frozen=True, eq=False)
 class ColumnLayout:
@@ -113,7 +115,7 @@ class ColumnLayout:
         if name not in cached:
             order = self.order()
             parts = {"order": order, "selected": order[: self.k], "unselected": order[self.k :]}
-            cached[name] = parts[name].to(device)
+            cached[name] = index_on(parts[name], device)
         return cached[name]
 
     def reselect(self, selected: torch.Tensor) -> "Migration":

@@ -9,7 +9,9 @@ on the host beside its fp32 rows on the device): rows convert as they cross.
 import torch
 
 from zenflow.runtime.comm import DataParallel
+from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.layout import Migration
+from zenflow.runtime.streams import PendingCopy, copy_stream, index_on
 
 
 def move_rows(
@@ -19,7 +21,7 @@ def move_rows(
     pin: bool,
 ) -> tuple[list[torch.Tensor], int, int]:
     """Move every pair's rows; returns the new device tensors and the bytes this rank moved
-    (to the host, to the device)."""
+    (to the host, to the device). Waits for the leaving rows (counted by ``comm.sync``)."""
     # Gathered before the host rows move: the entering columns' rows in the old local order.
     entering = [
         entering_rows(
@@ -27,8 +29,8 @@ def move_rows(
         )
         for host, device in pairs
     ]
-    leaving = leaving_rows(migration, pairs, pin)
-    move_host_rows(migration, [host for host, _ in pairs], leaving)
+    leaving = leaving_rows(migration, pairs)
+    move_host_rows(migration, [host for host, _ in pairs], leaving, comm.sync)
     new_devices = [
         place_device_rows(migration, device, rows)
         for (_, device), rows in zip(pairs, entering, strict=True)
@@ -69,24 +71,29 @@ def entering_rows(
 
 
 def leaving_rows(
-    migration: Migration, pairs: list[tuple[torch.Tensor, torch.Tensor]], pin: bool
-) -> list[torch.Tensor]:
-    """The leaving columns' device rows this rank owns, on the host in each host dtype."""
-    return [
-        _on_host(_take(device, migration.leaving_device_rows).to(host.dtype), pin)
-        for host, device in pairs
-    ]
+    migration: Migration, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+) -> list[PendingCopy]:
+    """The leaving columns' device rows this rank owns, in each host dtype, on their way to
+    the host on the copy stream (nothing waits for them here)."""
+    leaving = []
+    for host, device in pairs:
+        rows = _take(device, migration.leaving_device_rows).to(host.dtype)
+        if rows.numel() == 0:  # the first selection: none leave, nothing to wait for
+            leaving.append(PendingCopy(torch.empty(rows.shape, dtype=rows.dtype)))
+        else:
+            leaving.append(copy_stream(rows.device).copy_to_host(rows, owned=True))
+    return leaving
 
 
 def move_host_rows(
-    migration: Migration, hosts: list[torch.Tensor], leaving: list[torch.Tensor]
+    migration: Migration, hosts: list[torch.Tensor], leaving: list[PendingCopy], sync: HostSync
 ) -> None:
     """The host rows' moves within this rank's block, then the leaving rows in their new
-    host rows."""
+    host rows, once landed: the first wait covers every copy issued before it."""
     sources, destinations = migration.host_moves
     for host, rows in zip(hosts, leaving, strict=True):
         _put(host, destinations, _take(host, sources))
-        _put(host, migration.leaving_host_rows, rows)
+        _put(host, migration.leaving_host_rows, rows.wait(sync))
 
 
 def place_device_rows(migration: Migration, device: torch.Tensor, entering: torch.Tensor):
@@ -102,21 +109,13 @@ def place_device_rows(migration: Migration, device: torch.Tensor, entering: torc
     return placed
 
 
-def _on_host(rows: torch.Tensor, pin: bool) -> torch.Tensor:
-    """``rows`` on the host; from a GPU through pinned memory."""
-    if rows.device.type == "cpu":
-        return rows
-    landed = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=pin)
-    return landed.copy_(rows)
-
-
 # Row gathers and scatters as index_select / index_copy_: whole rows copied at once, several
 # times faster on CPU than advanced indexing, which goes element by element.
 
 
 def _take(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return tensor.index_select(0, index.to(tensor.device))
+    return tensor.index_select(0, index_on(index, tensor.device))
 
 
 def _put(tensor: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
-    tensor.index_copy_(0, index.to(tensor.device), rows.to(tensor.device))
+    tensor.index_copy_(0, index_on(index, tensor.device), rows.to(tensor.device))

@@ -28,7 +28,8 @@ from zenflow.runtime.window_sum import WindowSum
 class OwnedWeight:
     """Owns the parts above, the pinned buffers its values cross to the device through, its
     registry slot, and the step's gradient as ``.grad`` shows it (the ``StagedGradient``, and
-    its squared norm once the step or a clip took it: no micro-batch may join after that).
+    whether it is reduced over ranks, and its squared norm once the step or a clip took it: no
+    micro-batch may join after that).
     ``offload``: the selected columns' state lives on the host, and is
     updated there; ``device_sums``: the window's sum is kept on the weight's device; ``sync``:
     the optimizer's counted waits for the device."""
@@ -47,7 +48,8 @@ class OwnedWeight:
         self.param = param
         self.sync = sync
         # Called before the first norm of a step is taken (the conductor reduces the 1-D
-        # parameters' gradients over ranks then: torch's clip_grad_norm_ reads them next).
+        # parameters' gradients over ranks then, as torch's clip_grad_norm_ reads them next,
+        # and sums every weight's scores over ranks in one collective).
         self.before_norms = before_norms
         self.group_index = group_index
         self.comm = comm
@@ -68,11 +70,12 @@ class OwnedWeight:
             sync=sync,
         )
         state_device = torch.device("cpu") if offload else param.device
-        self.state = ColumnState(param, self.layout, state_device, self.pin)
+        self.state = ColumnState(param, self.layout, state_device, self.pin, sync)
         self.window = WindowSum(param.device if device_sums else torch.device("cpu"))
         # purpose -> (pinned buffer, its transfer to the device in flight), on a GPU.
         self._to_device_buffers: dict[str, tuple[torch.Tensor, PendingCopy | None]] = {}
         self._gradient: StagedGradient | None = None
+        self._finished = False
         self._norm_sq: torch.Tensor | None = None
         self.slot = registry.register(param, self)
 
@@ -107,12 +110,18 @@ class OwnedWeight:
             self.staging.stage_columns(column_rows(grad))
             self._after_staging()
 
+    def finish_gradient(self) -> None:
+        """Every micro-batch is in: the staged gradient is reduced over ranks (once a step)."""
+        if not self._finished:
+            self.staging.finish()
+            self._finished = True
+
     def gradient_norm_sq(self) -> torch.Tensor:
         """The staged gradient's squared norm over every rank, before any scale (a float64
         0-d tensor). Reduces the gradient over ranks first, once per step."""
         if self._norm_sq is None:
             self.before_norms()
-            self.staging.finish()
+            self.finish_gradient()
             self._norm_sq = self.staging.norm_sq()
         return self._norm_sq
 
@@ -123,6 +132,7 @@ class OwnedWeight:
     def discard_gradient(self) -> None:
         """Drop the staged gradient (committed, skipped, or zeroed), and its ``.grad``."""
         self.staging.discard()
+        self._finished = False
         self._norm_sq = None
         if self._gradient is not None and self.param.grad is self._gradient:
             self.param.grad = None
@@ -131,7 +141,7 @@ class OwnedWeight:
     def _before_staging(self) -> None:
         if self.staging.staged and self.param.grad is not self._gradient:
             self.discard_gradient()  # .grad was set to None (zero_grad) after a backward
-        if self._norm_sq is not None:
+        if self._finished:
             raise RuntimeError(
                 "a backward() after this step's gradient norm was taken (by clip_grad_norm_ "
                 "or the step): the norm would miss it; clip after the step's last backward"
@@ -144,12 +154,17 @@ class OwnedWeight:
 
     # Selection.
 
-    def reselect(self, selected: torch.Tensor) -> tuple[int, int]:
+    def reselect(self, selected: torch.Tensor, settle: bool = True) -> tuple[int, int]:
         """Adopt a new selection (ascending column indices): state and staged rows move for
         the columns that change side. Returns the bytes this rank moved (to the host, to the
-        device)."""
+        device). ``settle=False``: the state's host rows move at ``state.settle()``, once the
+        caller has reselected every weight (the first wait for leaving rows covers all)."""
         migration = self.layout.reselect(selected)
-        to_host, to_device = self.state.migrate(migration, self.comm)
+        to_host, to_device = self.state.migrate_later(
+            migration, self.state.entering(migration, self.comm)
+        )
+        if settle:
+            self.state.settle()
         staged_to_host, staged_to_device = self.staging.migrate(migration)
         self.layout = migration.layout
         return to_host + staged_to_host, to_device + staged_to_device

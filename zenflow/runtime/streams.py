@@ -145,6 +145,18 @@ class CopyStream:
         return self._worker
 
 
+def index_on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-made index (a layout's order, a migration's rows: never written again) on
+    ``device`` for kernels queued there. To a GPU through pinned memory and without the host
+    waiting: a copy from pageable memory would hold it until the device caught up."""
+    device = torch.device(device)
+    if index.device == device:
+        return index
+    if device.type == "cuda" and index.device.type == "cpu":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
+
+
 @functools.cache
 def copy_stream(device: torch.device) -> CopyStream:
     """The process's copy stream for ``device`` (one side stream per device is enough)."""

@@ -6,6 +6,9 @@ backward hands each micro-batch over in one of three forms (``stage_matmul``, ``
 
 * ``finish()``: every micro-batch is in; reduce over ranks (collectives). Nothing waits for a
   copy here, so that the step can queue device work first;
+* ``rank_scores()`` with several ranks: this rank's share of the columns' scores, which the
+  step sums over ranks for every weight in one collective and hands back
+  (``adopt_summed_scores``); None where there is nothing to sum;
 * ``norm_sq()`` and ``scores()``: the staged gradient's squared norm (a float64 0-d tensor, on
   the device where it was formed) and each column's squared norm (natural order, fp32, where
   they were taken: the conductor brings every weight's to the host at once);
@@ -114,6 +117,14 @@ class Staging:
     def stage_rows(self, rows_at, dtype: torch.dtype) -> None:
         """``rows_at(index, out=None)``: the gradient's rows at the columns ``index`` (every
         column in its natural place for None), formed into ``out`` when given."""
+        raise NotImplementedError
+
+    def rank_scores(self) -> torch.Tensor | None:
+        """This rank's share of the columns' scores, to be summed over ranks; None (one rank
+        or no share left: the strategy knows its scores)."""
+        return None
+
+    def adopt_summed_scores(self, unselected: torch.Tensor) -> None:
         raise NotImplementedError
 
     def adopt(self, layout: ColumnLayout) -> None:

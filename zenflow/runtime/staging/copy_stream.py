@@ -24,6 +24,11 @@ class CopyStreamStaging(StagedInHostBlock):
         self._part: tuple[PendingCopy, torch.Tensor] | None = None
 
     def stage_unselected(self, unselected: torch.Tensor, first: bool) -> None:
+        self.send_to_host(unselected, first)
+
+    def send_to_host(self, unselected: torch.Tensor, first: bool) -> None:
+        """Start this rank's unselected rows (made for this alone: nothing writes them
+        again) for the host block; a later micro-batch's are added to the earlier ones'."""
         if not first:
             self.land()
         block = self.blocks.take(unselected.dtype)

@@ -33,7 +33,12 @@ class OrderedStaging(Staging):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._selected: torch.Tensor | None = None
-        self._scores_in_order: torch.Tensor | None = None  # one rank, one micro-batch
+        # Every column's score in row order: taken at staging (one rank, one micro-batch) or
+        # once the parts are summed over ranks.
+        self._scores_in_order: torch.Tensor | None = None
+        # This rank's unselected rows' scores, taken where the rows were reduced over ranks
+        # (before they land on the host); None where they are taken from the host rows.
+        self._chunk_scores: torch.Tensor | None = None
 
     def _index(self) -> torch.Tensor | None:
         return None if self.layout.natural_order else self.layout.on(self.device, "order")
@@ -64,23 +69,43 @@ class OrderedStaging(Staging):
         """This rank's staged unselected rows in host row order (landed)."""
         raise NotImplementedError
 
-    def _scores_from_parts(self) -> torch.Tensor:
-        """The scores in row order from the reduced parts: the selected rows' (the same on
-        every rank) and each rank's own unselected rows', summed over ranks."""
+    def rank_scores(self) -> torch.Tensor | None:
+        """With several ranks, while the scores are not known: this rank's share of the
+        unselected columns' scores (fp32, in row order over every rank's unselected rows,
+        zero but for its own), for the step to sum over ranks together with every other
+        weight's, in one collective (``adopt_summed_scores``); None where no sum is needed."""
+        if self._scores_in_order is not None or self.comm.world_size == 1:
+            return None
         layout = self.layout
-        device_part = squared_row_norms(self._selected)
-        host_part = torch.zeros(layout.columns - layout.k)
+        mine = self._chunk_scores
+        if mine is None:
+            self.land()
+            mine = squared_row_norms(self.host_rows())
+        part = mine.new_zeros(layout.columns - layout.k)
         start = sum(layout.unselected_counts[: layout.rank])
-        mine = squared_row_norms(self.host_rows())
-        host_part[start : start + mine.numel()] = mine
-        host_part = self.comm.all_reduce_sum_(host_part)
-        return torch.cat([device_part, host_part.to(device_part.device, non_blocking=True)])
+        part[start : start + mine.numel()] = mine
+        return part
+
+    def adopt_summed_scores(self, unselected: torch.Tensor) -> None:
+        """The unselected columns' scores, summed over ranks: with the selected rows' (the
+        same on every rank), every column's score."""
+        selected = squared_row_norms(self._selected)
+        unselected = unselected.to(selected.device, non_blocking=True)
+        self._scores_in_order = torch.cat([selected, unselected])
+
+    def _take_scores(self) -> torch.Tensor:
+        if self._scores_in_order is None:
+            part = self.rank_scores()
+            if part is None:  # one rank: the host rows of several micro-batches' sum
+                self.land()
+                part = squared_row_norms(self.host_rows())
+            else:
+                (part,) = self.comm.sum_over_ranks([part], part.device)
+            self.adopt_summed_scores(part)
+        return self._scores_in_order
 
     def scores(self) -> torch.Tensor:
-        if self._scores_in_order is None:
-            self.land()
-            self._scores_in_order = self._scores_from_parts()
-        in_order = self._scores_in_order
+        in_order = self._take_scores()
         scores = torch.empty_like(in_order, dtype=torch.float32)
         scores[self.layout.on(in_order.device, "order")] = in_order.float()
         return scores
@@ -88,10 +113,7 @@ class OrderedStaging(Staging):
     def norm_sq(self) -> torch.Tensor:
         """On the device when staging took the scores there: the step sums every weight's
         there and reads one number, not one per weight."""
-        if self._scores_in_order is None:
-            self.land()
-            self._scores_in_order = self._scores_from_parts()
-        return self._scores_in_order.double().sum()
+        return self._take_scores().double().sum()
 
     def selected_rows(self) -> torch.Tensor:
         return self._selected
@@ -112,11 +134,13 @@ class OrderedStaging(Staging):
         (self._selected,), to_host, to_device = move_rows(migration, pairs, self.comm, self.pin)
         self.keep_host_block(block, migration.layout.k_local)
         self._scores_in_order = None
+        self._chunk_scores = None
         return to_host, to_device
 
     def discard(self) -> None:
         self._selected = None
         self._scores_in_order = None
+        self._chunk_scores = None
         self.micro_batches = 0
         self.staged_bytes = 0
 

@@ -8,6 +8,7 @@ to the host.
 
 import torch
 
+from zenflow.runtime.staging.base import squared_row_norms
 from zenflow.runtime.staging.ordered import sum_in_fp32
 from zenflow.runtime.staging.reduce_scatter import ReduceScatterStaging
 
@@ -27,9 +28,8 @@ class ReduceAtStepStaging(ReduceScatterStaging):
         super().finish()
         mine = self.comm.reduce_scatter_mean(self._on_device, self.layout.unselected_counts)
         self._on_device = None
-        self._block = self.blocks.take(torch.float32)
-        self.host_rows().copy_(mine)
-        self.staged_bytes += mine.numel() * mine.element_size()
+        self._chunk_scores = squared_row_norms(mine)
+        self.send_to_host(mine, first=True)
 
     def discard(self) -> None:
         self._on_device = None
