@@ -74,11 +74,13 @@ def leaving_rows(
     migration: Migration, pairs: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> list[PendingCopy]:
     """The leaving columns' device rows this rank owns, in each host dtype, on their way to
-    the host on the copy stream (nothing waits for them here)."""
+    where each host tensor is (the host: on the copy stream; nothing waits for them here)."""
     leaving = []
     for host, device in pairs:
         rows = _take(device, migration.leaving_device_rows).to(host.dtype)
-        if rows.numel() == 0:  # the first selection: none leave, nothing to wait for
+        if rows.device == host.device:  # a device-side staged sum: nothing crosses
+            leaving.append(PendingCopy(rows))
+        elif rows.numel() == 0:  # the first selection: none leave, nothing to wait for
             leaving.append(PendingCopy(torch.empty(rows.shape, dtype=rows.dtype)))
         else:
             leaving.append(copy_stream(rows.device).copy_to_host(rows, owned=True))
