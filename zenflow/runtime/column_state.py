@@ -15,11 +15,10 @@ moves wait (``unsettled``) until the update is done with them (``settle``).
 import torch
 
 from zenflow.columns import column_rows
-from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.layout import ColumnLayout, Migration
 from zenflow.runtime.migration import (
-    entering_rows,
+    EnteringRows,
     leaving_rows,
     move_host_rows,
     moved_bytes,
@@ -70,12 +69,13 @@ class ColumnState:
         steps)."""
         return [t[layout.k_local :] for t in self.host()]
 
-    def entering(self, migration: Migration, comm: DataParallel) -> list[torch.Tensor]:
-        """The entering columns' rows (master, moments, steps) on the device, read from the
-        host rows now: a CPU update about to be submitted rewrites them."""
+    def entering(self, migration: Migration, transfer: EnteringRows) -> list[int]:
+        """Queue the entering columns' rows (master, moments, steps) for the device on
+        ``transfer``; returns their places in what it sends. They are read from the host rows
+        when it sends: before a CPU update that rewrites them is submitted."""
         positions = migration.entering_host_rows
         return [
-            entering_rows(migration, host, positions, self.device, rows.dtype, comm, self.pin)
+            transfer.add(migration, host, positions, rows.dtype)
             for host, rows in zip(self.host(), self.device_rows(), strict=True)
         ]
 

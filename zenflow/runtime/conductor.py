@@ -22,6 +22,7 @@ from zenflow.runtime.comm import CollectiveError, DataParallel
 from zenflow.runtime.cpu_jobs import SUMS_QUEUED, CPUJobs
 from zenflow.runtime.device_sums import device_sums_for, sums_bytes
 from zenflow.runtime.host_sync import HostSync
+from zenflow.runtime.migration import EnteringRows
 from zenflow.runtime.nonfinite import clip_coefficient
 from zenflow.runtime.owned_weight import OwnedWeight
 from zenflow.runtime.pending_update import UpdateEntry
@@ -348,27 +349,46 @@ class Conductor:
 
     @_traced("zenflow::reselect")
     def _reselect(self, weights: list[OwnedWeight]) -> None:
-        for w, selected in zip(weights, self._selections(weights), strict=True):
-            to_host, to_device = w.reselect(selected, settle=False)
+        """Every one of ``weights`` takes its next selection now: the entering columns' rows
+        cross in one transfer for all of them, and one wait covers every leaving row."""
+        if not weights:
+            return
+        transfer = _transfer_for(weights, self.comm)
+        selections = self._selections(weights)
+        queued = [
+            w.queue_reselection(s, transfer) for w, s in zip(weights, selections, strict=True)
+        ]
+        sent = transfer.send()
+        for w, reselection in zip(weights, queued, strict=True):
+            to_host, to_device = w.take_reselection(reselection, sent, settle=False)
             self.counters["d2h_bytes"] += to_host
             self.counters["h2d_bytes"] += to_device
-        for w in weights:  # one wait for every weight's leaving rows
+        for w in weights:
             w.state.settle()
 
     @_traced("zenflow::reselect")
     def _enter_on_device(self, weights: list[OwnedWeight]) -> list:
         """An overlapped select boundary, before its window's CPU update is submitted: the
         next selection of each of ``weights``, and the closing window's update of the
-        columns entering it, on the device (one AdamW call per param group and device, as the
-        CPU update would make it: mean gradient, the window's lr, weight decay once). Returns
-        (weight, migration, updated state rows) for ``_reselect_later``. Runs eagerly: once per
-        select interval, on tensors of new shapes each time."""
-        entered, calls = [], {}
-        for w, selected in zip(weights, self._selections(weights), strict=True):
-            migration, rows, sums, sent = w.entering_at_boundary(selected)
-            self.counters["h2d_bytes"] += sent
-            entered.append((w, migration, rows))
-            calls.setdefault((w.group_index, w.state.device), []).append((rows, sums))
+        columns entering it, on the device (their state rows and window sums in one transfer;
+        one AdamW call per param group and device, as the CPU update would make it: mean
+        gradient, the window's lr, weight decay once). Returns (weight, its queued
+        reselection, what the transfer sent, updated there) for ``_reselect_later``. Runs
+        eagerly: once per select interval, on tensors of new shapes each time."""
+        transfer = _transfer_for(weights, self.comm)
+        selections = self._selections(weights)
+        queued = [
+            w.queue_reselection(s, transfer, with_sums=True)
+            for w, s in zip(weights, selections, strict=True)
+        ]
+        sent = transfer.send()
+        calls = {}
+        for w, reselection in zip(weights, queued, strict=True):
+            if not w.device_sums:
+                self.counters["h2d_bytes"] += reselection.migration.rows_to_device * w.out * 4
+            rows = reselection.state_rows(sent)
+            key = (w.group_index, w.state.device)
+            calls.setdefault(key, []).append((rows, reselection.sums(sent)))
         for (group_index, device), members in calls.items():
             hyper = self._hyper(group_index)
             lr = hyper["lr"] * schedule.lr_scale(self.schedule, self.window_steps)
@@ -384,13 +404,13 @@ class Conductor:
                 hyper["weight_decay"],
                 [None] * len(rows),
             )
-        return entered
+        return [(w, q, sent) for w, q in zip(weights, queued, strict=True)]
 
     def _reselect_later(self, entered: list) -> None:
         """The selections ``_enter_on_device`` chose take effect; the host rows move once the
         CPU update submitted meanwhile is done with them."""
-        for w, migration, rows in entered:
-            to_host, to_device = w.reselect_later(migration, rows)
+        for w, reselection, sent in entered:
+            to_host, to_device = w.take_reselection(reselection, sent, settle=False)
             self.counters["d2h_bytes"] += to_host
             self.counters["h2d_bytes"] += to_device
             self.counters["h2d_bytes"] += w.write_selected()
@@ -667,6 +687,11 @@ def _mixed_scales() -> RuntimeError:
         "mul_) and of others not, or by other factors: a step applies one factor to all "
         "its staged gradients; scale them alike (clip_grad_norm_(model.parameters(), ...))"
     )
+
+
+def _transfer_for(weights: list[OwnedWeight], comm: DataParallel) -> EnteringRows:
+    """One transfer of entering rows for ``weights``, whose state lives on one device."""
+    return EnteringRows(weights[0].state.device, comm, weights[0].pin)
 
 
 def _window_rows(w: OwnedWeight) -> int:

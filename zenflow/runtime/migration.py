@@ -6,6 +6,8 @@ holds the new device rows). A pair's two tensors may differ in dtype (a 16-bit s
 on the host beside its fp32 rows on the device): rows convert as they cross.
 """
 
+import math
+
 import torch
 
 from zenflow.runtime.comm import DataParallel
@@ -23,12 +25,10 @@ def move_rows(
     """Move every pair's rows; returns the new device tensors and the bytes this rank moved
     (to the host, to the device). Waits for the leaving rows (counted by ``comm.sync``)."""
     # Gathered before the host rows move: the entering columns' rows in the old local order.
-    entering = [
-        entering_rows(
-            migration, host, migration.entering_host_rows, device.device, device.dtype, comm, pin
-        )
-        for host, device in pairs
-    ]
+    transfer = EnteringRows(pairs[0][1].device, comm, pin)
+    for host, device in pairs:
+        transfer.add(migration, host, migration.entering_host_rows, device.dtype)
+    entering = transfer.send()
     leaving = leaving_rows(migration, pairs)
     move_host_rows(migration, [host for host, _ in pairs], leaving, comm.sync)
     new_devices = [
@@ -44,30 +44,62 @@ def moved_bytes(migration: Migration, hosts: list[torch.Tensor]) -> tuple[int, i
     return migration.rows_to_host * row_bytes, migration.rows_to_device * row_bytes
 
 
-def entering_rows(
-    migration: Migration,
-    host: torch.Tensor,
-    positions: torch.Tensor,
-    device: torch.device,
-    dtype: torch.dtype,
-    comm: DataParallel,
-    pin: bool,
-) -> torch.Tensor:
-    """The entering columns' rows, from their owners' rows ``positions`` of ``host``, on every
-    rank's ``device``, in ``dtype``."""
-    shape = (migration.entering.numel(), *host.shape[1:])
-    # Through pinned memory on a GPU machine: the copy to the device runs at twice a pageable
-    # copy's bandwidth, without holding the host thread.
-    if comm.world_size == 1 and host.device.type != "cpu":  # a device-side staged sum
-        rows = _take(host, positions)
-    elif comm.world_size == 1:
-        rows = torch.empty(shape, dtype=host.dtype, pin_memory=pin)
-        torch.index_select(host, 0, positions, out=rows)
-    else:
-        rows = torch.zeros(shape, dtype=host.dtype, pin_memory=pin)
-        rows[migration.entering_owned] = _take(host, positions)
-    rows = comm.all_reduce_sum_(rows.to(device, non_blocking=True))
-    return rows.to(device, dtype)
+class EnteringRows:
+    """The entering columns' rows of any number of tensors (every weight's state, and window
+    sums, at one reselection), on their way to every rank's ``device``: gathered on the host
+    straight into one buffer per dtype (pinned on a GPU machine: the copy runs at twice a
+    pageable copy's bandwidth without holding the host thread), sent in one copy per dtype and,
+    with several ranks, summed over ranks in one collective per dtype (each rank contributes
+    the rows it owns, zeros for the others'). Owns what was queued until ``send``."""
+
+    def __init__(self, device: torch.device, comm: DataParallel, pin: bool):
+        self.device = torch.device(device)
+        self.comm = comm
+        self.pin = pin
+        # (migration, host tensor, its rows to take, the dtype wanted on the device)
+        self._queued: list[tuple[Migration, torch.Tensor, torch.Tensor, torch.dtype]] = []
+
+    def add(
+        self, migration: Migration, host: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    ) -> int:
+        """Queue the entering rows of ``host`` (this rank's are its rows ``positions``), wanted
+        in ``dtype``; returns their place in what ``send`` returns. ``host`` is read at
+        ``send``."""
+        self._queued.append((migration, host, positions, dtype))
+        return len(self._queued) - 1
+
+    def send(self) -> list[torch.Tensor]:
+        """Every queued tensor's entering rows, on the device, in the order queued."""
+        sent: list[torch.Tensor | None] = [None] * len(self._queued)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, (_, host, positions, dtype) in enumerate(self._queued):
+            if host.device.type != "cpu":  # a device-side staged sum (one rank): no crossing
+                sent[i] = _take(host, positions).to(dtype)
+            else:
+                by_dtype.setdefault(host.dtype, []).append(i)
+        for host_dtype, members in by_dtype.items():
+            shapes = [self._shape(i) for i in members]
+            sizes = [math.prod(shape) for shape in shapes]
+            flat = torch.empty(sum(sizes), dtype=host_dtype, pin_memory=self.pin)
+            for i, part, shape in zip(members, flat.split(sizes), shapes, strict=True):
+                self._gather(i, part.view(shape))
+            on_device = self.comm.all_reduce_sum_(flat.to(self.device, non_blocking=True))
+            for i, part, shape in zip(members, on_device.split(sizes), shapes, strict=True):
+                sent[i] = part.view(shape).to(self._queued[i][3])
+        self._queued = []
+        return sent
+
+    def _shape(self, i: int) -> tuple[int, ...]:
+        migration, host, _, _ = self._queued[i]
+        return (migration.entering.numel(), *host.shape[1:])
+
+    def _gather(self, i: int, out: torch.Tensor) -> None:
+        migration, host, positions, _ = self._queued[i]
+        if self.comm.world_size == 1:
+            torch.index_select(host, 0, positions, out=out)
+        else:
+            out.zero_()
+            out[migration.entering_owned] = _take(host, positions)
 
 
 def leaving_rows(

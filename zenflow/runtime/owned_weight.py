@@ -10,6 +10,8 @@ PyTorch's layout; updated values are written into its columns
 (``zenflow.runtime.param_writes``).
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from zenflow.columns import column_count, column_rows
@@ -18,6 +20,7 @@ from zenflow.runtime.column_state import ColumnState
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.layout import ColumnLayout, Migration
+from zenflow.runtime.migration import EnteringRows
 from zenflow.runtime.param_writes import write_columns
 from zenflow.runtime.staged_gradient import StagedGradient
 from zenflow.runtime.staging import staging_for
@@ -154,45 +157,40 @@ class OwnedWeight:
 
     # Selection.
 
-    def reselect(self, selected: torch.Tensor, settle: bool = True) -> tuple[int, int]:
-        """Adopt a new selection (ascending column indices): state and staged rows move for
-        the columns that change side. Returns the bytes this rank moved (to the host, to the
-        device). ``settle=False``: the state's host rows move at ``state.settle()``, once the
-        caller has reselected every weight (the first wait for leaving rows covers all)."""
+    def reselect(self, selected: torch.Tensor) -> tuple[int, int]:
+        """Adopt a new selection (ascending column indices) at once: state and staged rows
+        move for the columns that change side. Returns the bytes this rank moved (to the host,
+        to the device). (The step reselects every weight together: ``queue_reselection``.)"""
+        transfer = EnteringRows(self.state.device, self.comm, self.pin)
+        queued = self.queue_reselection(selected, transfer)
+        return self.take_reselection(queued, transfer.send(), settle=True)
+
+    def queue_reselection(
+        self, selected: torch.Tensor, transfer: EnteringRows, with_sums: bool = False
+    ) -> "QueuedReselection":
+        """A new selection (ascending column indices) planned, its entering columns' state
+        rows (and with ``with_sums``, at a select boundary whose window's CPU update is yet to
+        be submitted, their window sums) queued on ``transfer`` for the state's device."""
         migration = self.layout.reselect(selected)
-        to_host, to_device = self.state.migrate_later(
-            migration, self.state.entering(migration, self.comm)
-        )
+        rows = self.state.entering(migration, transfer)
+        sums = self.window.entering(migration, self.layout.k_local, transfer) if with_sums else None
+        return QueuedReselection(migration, rows, sums)
+
+    def take_reselection(
+        self, queued: "QueuedReselection", sent: list[torch.Tensor], settle: bool
+    ) -> tuple[int, int]:
+        """Adopt ``queued``'s selection, its entering state rows taken from ``sent`` (what its
+        transfer sent; updated there first at a select boundary). ``settle=False``: the host
+        rows move at ``state.settle()``, once the CPU update still running over them is done,
+        or once every weight has reselected (the first wait for leaving rows covers all).
+        Returns the bytes this rank moves (to the host, to the device)."""
+        migration = queued.migration
+        to_host, to_device = self.state.migrate_later(migration, queued.state_rows(sent))
         if settle:
             self.state.settle()
         staged_to_host, staged_to_device = self.staging.migrate(migration)
         self.layout = migration.layout
         return to_host + staged_to_host, to_device + staged_to_device
-
-    def entering_at_boundary(
-        self, selected: torch.Tensor
-    ) -> tuple[Migration, list[torch.Tensor], torch.Tensor, int]:
-        """A new selection at a select boundary whose window's CPU update is yet to be
-        submitted: its migration, the entering columns' state rows (master, moments, steps)
-        and window sums on the state's device (for their update there), and the bytes this
-        rank sent to the device for them."""
-        migration = self.layout.reselect(selected)
-        rows = self.state.entering(migration, self.comm)
-        sums = self.window.entering(migration, self.layout.k_local, self.state.device, self.comm)
-        sent = 0
-        if not self.device_sums:
-            sent = migration.rows_to_device * self.out * sums.element_size()
-        return migration, rows, sums, sent
-
-    def reselect_later(self, migration: Migration, entering: list[torch.Tensor]) -> tuple[int, int]:
-        """Adopt ``migration``'s selection with ``entering`` as its new columns' state rows,
-        while a CPU update still runs over the old layout's host rows: they move when it is
-        done (``state.settle``). Returns the bytes this rank moves (to the host, to the
-        device)."""
-        moved = self.state.migrate_later(migration, entering)
-        self.staging.migrate(migration)
-        self.layout = migration.layout
-        return moved
 
     def adopt(self, layout: ColumnLayout) -> None:
         """A saved layout, with the state loaded beside it."""
@@ -287,3 +285,20 @@ class OwnedWeight:
                 "columns); changing the model after creating the optimizer is not "
                 "supported: create the optimizer (and compile) after the last change"
             )
+
+
+@dataclass
+class QueuedReselection:
+    """A weight's next selection (``migration``) and the places of its entering columns' rows
+    in what their transfer sends: the state's (master, moments, steps) and the window sums'."""
+
+    migration: Migration
+    state_places: list[int]
+    sums_place: int | None
+
+    def state_rows(self, sent: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [sent[place] for place in self.state_places]
+
+    def sums(self, sent: list[torch.Tensor]) -> torch.Tensor:
+        assert self.sums_place is not None, "queued without the window sums"
+        return sent[self.sums_place]

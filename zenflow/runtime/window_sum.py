@@ -18,10 +18,9 @@ second buffer meanwhile (``give_back`` returns the first once the update is done
 
 import torch
 
-from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.cpu_adam import GatheredRows
 from zenflow.runtime.layout import Migration
-from zenflow.runtime.migration import entering_rows
+from zenflow.runtime.migration import EnteringRows
 from zenflow.runtime.staging.contributions import Contribution, Factors, HostRows, as_tensor
 from zenflow.runtime.streams import PendingCopy, copy_stream
 
@@ -100,17 +99,15 @@ class WindowSum:
             self.sum.addmm_(x.t(), torch.cat(dys))
             self.deferred = []
 
-    def entering(
-        self, migration: Migration, k_local: int, device: torch.device, comm: DataParallel
-    ) -> torch.Tensor:
-        """The window's sum of the columns entering the selection (fp32, on every rank's
-        ``device``), for their update there; ``k_local``: the selected rows in front of this
-        rank's block before the reselection. Every step's rows must have been added."""
+    def entering(self, migration: Migration, k_local: int, transfer: EnteringRows) -> int:
+        """Queue the window's sum of the columns entering the selection (fp32) for the
+        device on ``transfer``, for their update there; returns its place in what it sends.
+        ``k_local``: the selected rows in front of this rank's block before the reselection.
+        Every step's rows must have been added."""
         assert self.last is None, "the last step's rows are folded in by the CPU update only"
         self._sum_deferred()
         positions = migration.entering_host_rows - k_local
-        pin = device.type == "cuda"
-        return entering_rows(migration, self.sum, positions, device, torch.float32, comm, pin)
+        return transfer.add(migration, self.sum, positions, torch.float32)
 
     def take(self, background: bool) -> tuple[torch.Tensor, HostRows | None]:
         """The window for its CPU update: (the sum, the last step's rows or None). The update
