@@ -9,6 +9,7 @@ import torch
 import zenflow.runtime
 from zenflow.optimizer import ZenFlowAdamW
 from zenflow.runtime import staging as staging_strategies
+from zenflow.runtime.streams import CopyStream
 
 RUNTIME = pathlib.Path(zenflow.runtime.__file__).parent
 HELPER = RUNTIME / "host_sync.py"
@@ -44,12 +45,16 @@ def test_the_runtime_waits_for_the_device_only_through_the_helper():
 
 
 WIDTH = 12
+issued_copies: list[torch.dtype] = []  # by the copy-stream spy of a test that installs it
 
 
-def syncs_by_step(weights: int, *, copy_stream: bool, **settings) -> list[tuple[str, int]]:
+def syncs_by_step(
+    weights: int, *, copy_stream: bool, copies: list | None = None, **settings
+) -> list[tuple[str, int]]:
     """Trains a stack of ``weights`` Linear layers for 12 steps (update_interval 2,
     select_interval 4, overlap_step unless given) and returns each step's kind and the
-    synchronizations it took."""
+    synchronizations it took; appends to ``copies`` (if given) each step's copies to the host
+    (the dtypes copied), recorded in ``issued_copies``."""
     torch.manual_seed(0)
     layers = []
     for _ in range(weights):
@@ -70,7 +75,10 @@ def syncs_by_step(weights: int, *, copy_stream: bool, **settings) -> list[tuple[
         opt.zero_grad()
         model(x).square().mean().backward()
         before = opt.stats()
+        issued_copies.clear()
         opt.step()
+        if copies is not None:
+            copies.append(list(issued_copies))
         after = opt.stats()
         closed = after["cpu_updates"] > before["cpu_updates"]
         selected = after["reselections"] > before["reselections"]
@@ -107,3 +115,23 @@ def test_a_step_synchronizes_within_its_budget_whatever_the_number_of_weights(st
     assert kinds.count("ordinary") >= 4 and kinds.count("select") == 4
     over = [(step, kind, n) for step, (kind, n) in enumerate(few) if n > BUDGETS[kind]]
     assert over == [], f"steps over budget {BUDGETS}: {over}"
+
+
+def test_a_reselection_sends_its_rows_to_the_host_in_one_copy_per_dtype(monkeypatch):
+    """A step that reselects copies the leaving columns' rows of every weight to the host
+    together, on the copy stream (its CPU twin here), one copy per dtype (fp32 values and
+    moments, int64 step counts), for 6 weights as for 24; other steps none (staging in host
+    blocks copies nothing). The first selection, once a run, is left out: no column leaves."""
+    copy_to_host = CopyStream.copy_to_host
+
+    def recording(self, source, out=None, owned=False):
+        issued_copies.append(source.dtype)
+        return copy_to_host(self, source, out=out, owned=owned)
+
+    monkeypatch.setattr(CopyStream, "copy_to_host", recording)
+    few, many = [], []
+    kinds = syncs_by_step(6, copy_stream=False, copies=few)
+    syncs_by_step(24, copy_stream=False, copies=many)
+    assert few[1:] == many[1:]
+    for (kind, _), copied in zip(kinds[1:], few[1:], strict=True):  # after the first selection
+        assert sorted(copied, key=str) == ([torch.float32, torch.int64] if kind == "select" else [])

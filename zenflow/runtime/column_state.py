@@ -19,12 +19,11 @@ from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.layout import ColumnLayout, Migration
 from zenflow.runtime.migration import (
     EnteringRows,
-    leaving_rows,
+    LeavingRows,
     move_host_rows,
     moved_bytes,
     place_device_rows,
 )
-from zenflow.runtime.streams import PendingCopy
 
 
 class ColumnState:
@@ -32,7 +31,8 @@ class ColumnState:
     rows, out]`` fp32; ``host_steps``: ``[block rows]`` int64) and the device rows
     (``device_*``: ``[k, out]`` fp32 and ``[k]`` int64 on ``device``), and the host rows'
     moves a reselection left for later (``unsettled``: the migration and the leaving columns'
-    rows, on their way to the host); waits for those through the optimizer's ``sync``."""
+    rows on their way to the host, and their places there); waits for those through the
+    optimizer's ``sync``."""
 
     def __init__(
         self,
@@ -56,7 +56,7 @@ class ColumnState:
         self.device_exp_avg = torch.empty(0, out, device=device)
         self.device_exp_avg_sq = torch.empty(0, out, device=device)
         self.device_steps = torch.empty(0, dtype=torch.int64, device=device)
-        self.unsettled: tuple[Migration, list[PendingCopy]] | None = None
+        self.unsettled: tuple[Migration, LeavingRows, list[int]] | None = None
 
     def host(self) -> list[torch.Tensor]:
         return [self.host_master, self.host_exp_avg, self.host_exp_avg_sq, self.host_steps]
@@ -79,26 +79,31 @@ class ColumnState:
             for host, rows in zip(self.host(), self.device_rows(), strict=True)
         ]
 
-    def migrate_later(self, migration: Migration, entering: list[torch.Tensor]) -> tuple[int, int]:
-        """The new selection on the device now (``entering``: its new columns' rows); the host
-        rows move once ``settle`` is called. Returns the bytes this rank moves (to the host,
-        to the device)."""
+    def migrate_later(
+        self, migration: Migration, entering: list[torch.Tensor], leaving: LeavingRows
+    ) -> tuple[int, int]:
+        """The new selection on the device now (``entering``: its new columns' rows; the
+        leaving ones' rows queued on ``leaving``, which the caller sends); the host rows move
+        once ``settle`` is called. Returns the bytes this rank moves (to the host, to the
+        device)."""
         assert self.unsettled is None, "a reselection before the last one settled"
-        pairs = list(zip(self.host(), self.device_rows(), strict=True))
-        leaving = leaving_rows(migration, pairs)
+        places = [
+            leaving.add(rows, migration.leaving_device_rows, host)
+            for host, rows in zip(self.host(), self.device_rows(), strict=True)
+        ]
         device = [
             place_device_rows(migration, rows, new)
             for rows, new in zip(self.device_rows(), entering, strict=True)
         ]
         self.device_master, self.device_exp_avg, self.device_exp_avg_sq, self.device_steps = device
-        self.unsettled = (migration, leaving)
+        self.unsettled = (migration, leaving, places)
         return moved_bytes(migration, self.host())
 
     def settle(self) -> None:
         """The host rows' moves of the last reselection, once no CPU update reads them."""
         if self.unsettled is not None:
-            migration, leaving = self.unsettled
-            move_host_rows(migration, self.host(), leaving, self.sync)
+            migration, leaving, places = self.unsettled
+            move_host_rows(migration, self.host(), leaving, places, self.sync)
             self.unsettled = None
 
     def load(self, host: list[torch.Tensor], device: list[torch.Tensor]) -> None:

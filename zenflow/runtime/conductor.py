@@ -22,7 +22,7 @@ from zenflow.runtime.comm import CollectiveError, DataParallel
 from zenflow.runtime.cpu_jobs import SUMS_QUEUED, CPUJobs
 from zenflow.runtime.device_sums import device_sums_for, sums_bytes
 from zenflow.runtime.host_sync import HostSync
-from zenflow.runtime.migration import EnteringRows
+from zenflow.runtime.migration import EnteringRows, LeavingRows
 from zenflow.runtime.nonfinite import clip_coefficient
 from zenflow.runtime.owned_weight import OwnedWeight
 from zenflow.runtime.pending_update import UpdateEntry
@@ -359,10 +359,12 @@ class Conductor:
             w.queue_reselection(s, transfer) for w, s in zip(weights, selections, strict=True)
         ]
         sent = transfer.send()
+        leaving = LeavingRows()
         for w, reselection in zip(weights, queued, strict=True):
-            to_host, to_device = w.take_reselection(reselection, sent, settle=False)
+            to_host, to_device = w.take_reselection(reselection, sent, leaving)
             self.counters["d2h_bytes"] += to_host
             self.counters["h2d_bytes"] += to_device
+        leaving.send()
         for w in weights:
             w.state.settle()
 
@@ -409,10 +411,13 @@ class Conductor:
     def _reselect_later(self, entered: list) -> None:
         """The selections ``_enter_on_device`` chose take effect; the host rows move once the
         CPU update submitted meanwhile is done with them."""
+        leaving = LeavingRows()
         for w, reselection, sent in entered:
-            to_host, to_device = w.take_reselection(reselection, sent, settle=False)
+            to_host, to_device = w.take_reselection(reselection, sent, leaving)
             self.counters["d2h_bytes"] += to_host
             self.counters["h2d_bytes"] += to_device
+        leaving.send()
+        for w, _, _ in entered:
             self.counters["h2d_bytes"] += w.write_selected()
 
     @_traced("zenflow::device_update")

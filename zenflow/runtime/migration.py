@@ -29,8 +29,10 @@ def move_rows(
     for host, device in pairs:
         transfer.add(migration, host, migration.entering_host_rows, device.dtype)
     entering = transfer.send()
-    leaving = leaving_rows(migration, pairs)
-    move_host_rows(migration, [host for host, _ in pairs], leaving, comm.sync)
+    leaving = LeavingRows()
+    places = [leaving.add(device, migration.leaving_device_rows, host) for host, device in pairs]
+    leaving.send()
+    move_host_rows(migration, [host for host, _ in pairs], leaving, places, comm.sync)
     new_devices = [
         place_device_rows(migration, device, rows)
         for (_, device), rows in zip(pairs, entering, strict=True)
@@ -102,32 +104,64 @@ class EnteringRows:
             out[migration.entering_owned] = _take(host, positions)
 
 
-def leaving_rows(
-    migration: Migration, pairs: list[tuple[torch.Tensor, torch.Tensor]]
-) -> list[PendingCopy]:
-    """The leaving columns' device rows this rank owns, in each host dtype, on their way to
-    where each host tensor is (the host: on the copy stream; nothing waits for them here)."""
-    leaving = []
-    for host, device in pairs:
-        rows = _take(device, migration.leaving_device_rows).to(host.dtype)
-        if rows.device == host.device:  # a device-side staged sum: nothing crosses
-            leaving.append(PendingCopy(rows))
-        elif rows.numel() == 0:  # the first selection: none leave, nothing to wait for
-            leaving.append(PendingCopy(torch.empty(rows.shape, dtype=rows.dtype)))
-        else:
-            leaving.append(copy_stream(rows.device).copy_to_host(rows, owned=True))
-    return leaving
+class LeavingRows:
+    """The leaving columns' device rows of any number of tensors (every weight's state at one
+    reselection), on their way to the host: taken on the device when queued (before the
+    device rows are replaced), then one buffer per device and dtype copied on the copy
+    stream, which nothing waits for until the rows are read (``landed``). Rows whose host
+    tensor lives on the device (a device-side staged sum) stay there. Owns what was queued,
+    then the copies in flight."""
+
+    def __init__(self):
+        self._queued: list[tuple[torch.Tensor, torch.device]] = []  # (rows, host tensor's device)
+        self._landing: list[tuple[PendingCopy, int]] | None = None  # (copy, offset) per place
+
+    def add(self, device: torch.Tensor, index: torch.Tensor, host: torch.Tensor) -> int:
+        """Queue rows ``index`` of ``device`` for ``host`` (in its dtype); returns their place
+        for ``landed``."""
+        self._queued.append((_take(device, index).to(host.dtype), host.device))
+        return len(self._queued) - 1
+
+    def send(self) -> None:
+        """Start every queued row for the host."""
+        landing: list[tuple[PendingCopy, int] | None] = [None] * len(self._queued)
+        by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, (rows, host_device) in enumerate(self._queued):
+            if host_device.type != "cpu":
+                landing[i] = (PendingCopy(rows), 0)
+            else:
+                by_kind.setdefault((rows.device, rows.dtype), []).append(i)
+        for (device, _), members in by_kind.items():
+            parts = [self._queued[i][0].reshape(-1) for i in members]
+            copy = copy_stream(device).copy_to_host(torch.cat(parts), owned=True)
+            offset = 0
+            for i, part in zip(members, parts, strict=True):
+                landing[i] = (copy, offset)
+                offset += part.numel()
+        self._landing = landing
+
+    def landed(self, place: int, sync: HostSync) -> torch.Tensor:
+        """The rows queued at ``place``, on the host once their copy is done (the first wait
+        covers every copy issued before it)."""
+        assert self._landing is not None, "leaving rows read before they were sent"
+        copy, offset = self._landing[place]
+        shape = self._queued[place][0].shape
+        return copy.wait(sync).view(-1)[offset : offset + math.prod(shape)].view(shape)
 
 
 def move_host_rows(
-    migration: Migration, hosts: list[torch.Tensor], leaving: list[PendingCopy], sync: HostSync
+    migration: Migration,
+    hosts: list[torch.Tensor],
+    leaving: LeavingRows,
+    places: list[int],
+    sync: HostSync,
 ) -> None:
-    """The host rows' moves within this rank's block, then the leaving rows in their new
-    host rows, once landed: the first wait covers every copy issued before it."""
+    """The host rows' moves within this rank's block, then the leaving rows (``places`` of
+    ``leaving``, sent) in their new host rows, once landed."""
     sources, destinations = migration.host_moves
-    for host, rows in zip(hosts, leaving, strict=True):
+    for host, place in zip(hosts, places, strict=True):
         _put(host, destinations, _take(host, sources))
-        _put(host, migration.leaving_host_rows, rows.wait(sync))
+        _put(host, migration.leaving_host_rows, leaving.landed(place, sync))
 
 
 def place_device_rows(migration: Migration, device: torch.Tensor, entering: torch.Tensor):

@@ -20,7 +20,7 @@ from zenflow.runtime.column_state import ColumnState
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.layout import ColumnLayout, Migration
-from zenflow.runtime.migration import EnteringRows
+from zenflow.runtime.migration import EnteringRows, LeavingRows
 from zenflow.runtime.param_writes import write_columns
 from zenflow.runtime.staged_gradient import StagedGradient
 from zenflow.runtime.staging import staging_for
@@ -163,7 +163,11 @@ class OwnedWeight:
         to the device). (The step reselects every weight together: ``queue_reselection``.)"""
         transfer = EnteringRows(self.state.device, self.comm, self.pin)
         queued = self.queue_reselection(selected, transfer)
-        return self.take_reselection(queued, transfer.send(), settle=True)
+        leaving = LeavingRows()
+        moved = self.take_reselection(queued, transfer.send(), leaving)
+        leaving.send()
+        self.state.settle()
+        return moved
 
     def queue_reselection(
         self, selected: torch.Tensor, transfer: EnteringRows, with_sums: bool = False
@@ -177,17 +181,16 @@ class OwnedWeight:
         return QueuedReselection(migration, rows, sums)
 
     def take_reselection(
-        self, queued: "QueuedReselection", sent: list[torch.Tensor], settle: bool
+        self, queued: "QueuedReselection", sent: list[torch.Tensor], leaving: LeavingRows
     ) -> tuple[int, int]:
         """Adopt ``queued``'s selection, its entering state rows taken from ``sent`` (what its
-        transfer sent; updated there first at a select boundary). ``settle=False``: the host
-        rows move at ``state.settle()``, once the CPU update still running over them is done,
-        or once every weight has reselected (the first wait for leaving rows covers all).
-        Returns the bytes this rank moves (to the host, to the device)."""
+        transfer sent; updated there first at a select boundary), its leaving ones queued on
+        ``leaving`` (the caller sends it once every weight has reselected). The host rows move
+        at ``state.settle()``: once every weight has reselected, or once the CPU update still
+        running over them is done. Returns the bytes this rank moves (to the host, to the
+        device)."""
         migration = queued.migration
-        to_host, to_device = self.state.migrate_later(migration, queued.state_rows(sent))
-        if settle:
-            self.state.settle()
+        to_host, to_device = self.state.migrate_later(migration, queued.state_rows(sent), leaving)
         staged_to_host, staged_to_device = self.staging.migrate(migration)
         self.layout = migration.layout
         return to_host + staged_to_host, to_device + staged_to_device
