@@ -72,11 +72,12 @@ COUNTED_COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_t
 
 
 def collectives_by_step(rank: int, world_size: int, port: int, out_dir: str, settings: dict):
-    """Trains a stack of ``settings["weights"]`` Linear layers (12 steps, update_interval 2,
-    select_interval 4, overlap) on this rank's half of every batch; saves, per step, the
-    synchronizations its ``step()`` took and the collectives it issued, by name."""
+    """For each count in ``settings["weights"]``, trains a stack of that many Linear layers (12
+    steps, update_interval 2, select_interval 4, overlap) on this rank's half of every batch;
+    saves, per count and step, the synchronizations its ``step()`` took and the collectives
+    it issued, by name."""
     settings = dict(settings)
-    weights = settings.pop("weights")
+    counts = settings.pop("weights")
     comm._route_host_tensors_for_tests(torch.device("cpu"))  # NCCL's path for host tensors
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -90,42 +91,44 @@ def collectives_by_step(rank: int, world_size: int, port: int, out_dir: str, set
         return call
 
     originals = {name: getattr(dist, name) for name in COUNTED_COLLECTIVES}
+    by_count = {}
     try:
         for name, collective in originals.items():
             setattr(dist, name, counting(name, collective))
-        torch.manual_seed(0)
-        layers = []
-        for _ in range(weights):
-            layers += [torch.nn.Linear(12, 12), torch.nn.Tanh()]
-        model = torch.nn.Sequential(*layers)
-        compiled = torch.compile(model, backend="zenflow", options={"inner": "eager"})
-        opt = ZenFlowAdamW(
-            model.parameters(),
-            lr=1e-2,
-            topk_ratio=0.25,
-            update_interval=2,
-            select_interval=4,
-            overlap_step=True,
-            step_backend="eager",
-            **settings,
-        )
-        g = torch.Generator().manual_seed(1)
-        steps = []
-        for _ in range(12):
-            x = torch.randn(8, 12, generator=g) * torch.linspace(0.1, 3.0, 12)
-            opt.zero_grad()
-            compiled(x[rank * 4 : rank * 4 + 4]).square().mean().backward()
-            before, syncs = dict(issued), opt.stats()["device_syncs"]
-            opt.step()
-            steps.append(
-                (
-                    opt.stats()["device_syncs"] - syncs,
-                    {name: issued[name] - before[name] for name in issued},
-                )
-            )
+        for weights in counts:
+            by_count[weights] = _count_steps(rank, weights, issued, settings)
     finally:
         for name, collective in originals.items():
             setattr(dist, name, collective)
         dist.destroy_process_group()
         comm._route_host_tensors_for_tests(None)
-    torch.save(steps, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(by_count, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _count_steps(rank: int, weights: int, issued: dict, settings: dict) -> list:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(weights):
+        layers += [torch.nn.Linear(12, 12), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers)
+    opt = ZenFlowAdamW(
+        model.parameters(),
+        lr=1e-2,
+        topk_ratio=0.25,
+        update_interval=2,
+        select_interval=4,
+        overlap_step=True,
+        step_backend="eager",
+        **settings,
+    )
+    g = torch.Generator().manual_seed(1)
+    steps = []
+    for _ in range(12):
+        x = torch.randn(8, 12, generator=g) * torch.linspace(0.1, 3.0, 12)
+        opt.zero_grad()
+        model(x[rank * 4 : rank * 4 + 4]).square().mean().backward()
+        before, syncs = dict(issued), opt.stats()["device_syncs"]
+        opt.step()
+        after = opt.stats()["device_syncs"]
+        steps.append((after - syncs, {name: issued[name] - before[name] for name in issued}))
+    return steps

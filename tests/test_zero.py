@@ -94,13 +94,10 @@ def test_two_ranks_equal_one_rank_and_the_reference(tmp_path, settings):
             assert all(a < u for a, u in zip(mine, unselected, strict=True))
 
 
-def counted_steps(tmp_path, weights: int, zero_stage: int) -> list:
-    out = tmp_path / f"{weights}-weights"
-    out.mkdir()
-    settings = dict(zero_stage=zero_stage, weights=weights)
-    args = (2, free_port(), str(out), settings)
-    mp.spawn(collectives_by_step, args=args, nprocs=2, join=True)
-    return torch.load(out / "rank0.pt")
+def counted_steps(tmp_path, zero_stage: int) -> dict:
+    settings = dict(zero_stage=zero_stage, weights=(6, 24))
+    mp.spawn(collectives_by_step, args=(2, free_port(), str(tmp_path), settings), nprocs=2)
+    return torch.load(tmp_path / "rank0.pt")
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2])
@@ -110,7 +107,8 @@ def test_a_step_sums_every_weights_scores_over_ranks_in_one_collective(tmp_path,
     its bias, averaged; at stage 1 also its unselected rows, reduced in the step): the columns'
     scores of every weight are summed in one collective, which the host does not wait for, and
     at a select boundary the entering columns' rows of every weight in one per dtype."""
-    few, many = (counted_steps(tmp_path, n, zero_stage) for n in (6, 24))
+    counted = counted_steps(tmp_path, zero_stage)
+    few, many = counted[6], counted[24]
     assert [syncs for syncs, _ in few] == [syncs for syncs, _ in many]
     syncs = [syncs for syncs, _ in few]
     ordinary = (2, 4, 6, 8, 10)  # 1, 5 and 9 close a window; 0, 3, 7 and 11 select
