@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from zenflow.runtime.host_sync import HostSync
+from zenflow.runtime.streams import sent_to
 
 
 class CollectiveError(RuntimeError):
@@ -62,7 +63,7 @@ class DataParallel:
 
     def _collective_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         if self._host_tensors_via is not None and tensor.device.type == "cpu":
-            return tensor.to(self._host_tensors_via, copy=True)
+            return sent_to(tensor.clone(), self._host_tensors_via)
         return tensor
 
     def block(self, columns: int, rank: int | None = None) -> tuple[int, int]:
@@ -91,7 +92,7 @@ class DataParallel:
         if not parts:
             return []
         device = torch.device(device)
-        total = torch.cat([part.to(device, non_blocking=True) for part in parts])
+        total = torch.cat([sent_to(part, device) for part in parts])
         if self.world_size > 1:
             work = self._collective_tensor(total)
             run_collective("all_reduce", self.world_size, dist.all_reduce, work, group=self.group)

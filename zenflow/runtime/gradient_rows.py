@@ -14,7 +14,7 @@ import functools
 import torch
 
 from zenflow.runtime.cpu_adam import _load as load_library
-from zenflow.runtime.streams import index_on
+from zenflow.runtime.streams import sent_to
 
 # Factors are kept (and multiplied in the step) when the batch is at most this fraction of the
 # weight's smaller side: then they hold a small part of the gradient's bytes, and the importance
@@ -49,7 +49,7 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor | None, out: torch.Tenso
                 else out.copy_(rows)
             )
         index = torch.arange(rows.shape[0])
-    index = index_on(index, rows.device)
+    index = sent_to(index, rows.device)
     if out is None:
         out = rows.new_empty(index.numel(), rows.shape[1])
     fits = (
@@ -101,7 +101,7 @@ def matmul_rows(
     along its contiguous dimension)."""
     if index is None:
         return torch.mm(a, b, out=out)
-    index = index_on(index, a.device)
+    index = sent_to(index, a.device)
     if OPERAND_GATHER_RATIO * a.shape[1] > b.shape[1]:
         return gather_rows(torch.mm(a, b), index, out=out)
     if a.t().is_contiguous():
@@ -118,8 +118,8 @@ def with_lookup_added(rows_at, lookup_rows, lookup_ids, index, out=None):
     if index is None:
         by_column = lookup_rows.t()
     else:
-        by_column = lookup_rows.index_select(1, index_on(index, lookup_rows.device)).t()
-    return rows.index_add_(1, index_on(lookup_ids, rows.device), by_column.to(rows.dtype))
+        by_column = lookup_rows.index_select(1, sent_to(index, lookup_rows.device)).t()
+    return rows.index_add_(1, sent_to(lookup_ids, rows.device), by_column.to(rows.dtype))
 
 
 def lookup_grad_rows(lookup_rows, lookup_ids, entries: int, index, out=None) -> torch.Tensor:
@@ -137,7 +137,7 @@ def lookup_grad_rows(lookup_rows, lookup_ids, entries: int, index, out=None) -> 
     zero: the same numbers."""
     if 2 * entries <= lookup_ids.numel():
         summed = lookup_rows.new_zeros(entries, lookup_rows.shape[1])
-        summed.index_add_(0, index_on(lookup_ids, lookup_rows.device), lookup_rows)
+        summed.index_add_(0, sent_to(lookup_ids, lookup_rows.device), lookup_rows)
         return gather_rows(summed.t(), index, out=out)
     zeros_at = functools.partial(zero_rows, lookup_rows, lookup_rows.shape[1], entries)
     return with_lookup_added(zeros_at, lookup_rows, lookup_ids, index, out=out)

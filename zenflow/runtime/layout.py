@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zenflow.runtime.streams import index_on
+from zenflow.runtime.streams import sent_to
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,7 +115,7 @@ class ColumnLayout:
         if name not in cached:
             order = self.order()
             parts = {"order": order, "selected": order[: self.k], "unselected": order[self.k :]}
-            cached[name] = index_on(parts[name], device)
+            cached[name] = sent_to(parts[name], device)
         return cached[name]
 
     def reselect(self, selected: torch.Tensor) -> "Migration":

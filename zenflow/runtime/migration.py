@@ -13,7 +13,7 @@ import torch
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.layout import Migration
-from zenflow.runtime.streams import PendingCopy, copy_stream, index_on
+from zenflow.runtime.streams import PendingCopy, copy_stream, sent_to
 
 
 def move_rows(
@@ -182,8 +182,8 @@ def place_device_rows(migration: Migration, device: torch.Tensor, entering: torc
 
 
 def _take(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return tensor.index_select(0, index_on(index, tensor.device))
+    return tensor.index_select(0, sent_to(index, tensor.device))
 
 
 def _put(tensor: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
-    tensor.index_copy_(0, index_on(index, tensor.device), rows.to(tensor.device))
+    tensor.index_copy_(0, sent_to(index, tensor.device), rows.to(tensor.device))

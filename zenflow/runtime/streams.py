@@ -145,16 +145,17 @@ class CopyStream:
         return self._worker
 
 
-def index_on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host-made index (a layout's order, a migration's rows: never written again) on
-    ``device`` for kernels queued there. To a GPU through pinned memory and without the host
-    waiting: a copy from pageable memory would hold it until the device caught up."""
+def sent_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor made on the host that nothing writes again (an index, a collective's input),
+    on ``device`` for work queued there. To a GPU through pinned memory and without the host
+    waiting: a copy from pageable memory, even a non-blocking one, first waits for the
+    device's stream."""
     device = torch.device(device)
-    if index.device == device:
-        return index
-    if device.type == "cuda" and index.device.type == "cpu":
-        return index.pin_memory().to(device, non_blocking=True)
-    return index.to(device)
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 @functools.cache

@@ -17,6 +17,7 @@ import torch
 from zenflow.runtime.migration import move_rows
 from zenflow.runtime.staging.base import Staging, squared_row_norms
 from zenflow.runtime.staging.contributions import HostRows
+from zenflow.runtime.streams import sent_to
 
 
 def sum_in_fp32(total: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
@@ -90,7 +91,7 @@ class OrderedStaging(Staging):
         """The unselected columns' scores, summed over ranks: with the selected rows' (the
         same on every rank), every column's score."""
         selected = squared_row_norms(self._selected)
-        unselected = unselected.to(selected.device, non_blocking=True)
+        unselected = sent_to(unselected, selected.device)
         self._scores_in_order = torch.cat([selected, unselected])
 
     def _take_scores(self) -> torch.Tensor:
