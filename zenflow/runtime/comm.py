@@ -77,10 +77,16 @@ class DataParallel:
             tensor /= self.world_size
         return tensor
 
+    def _all_reduced(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over ranks where the collective runs (``tensor`` itself, summed
+        in place, unless a host tensor crossed to the collective's device)."""
+        work = self._collective_tensor(tensor)
+        run_collective("all_reduce", self.world_size, dist.all_reduce, work, group=self.group)
+        return work
+
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            work = self._collective_tensor(tensor)
-            run_collective("all_reduce", self.world_size, dist.all_reduce, work, group=self.group)
+            work = self._all_reduced(tensor)
             if work is not tensor:
                 tensor.copy_(work)
         return tensor
@@ -94,9 +100,7 @@ class DataParallel:
         device = torch.device(device)
         total = torch.cat([sent_to(part, device) for part in parts])
         if self.world_size > 1:
-            work = self._collective_tensor(total)
-            run_collective("all_reduce", self.world_size, dist.all_reduce, work, group=self.group)
-            total = work.to(device, non_blocking=True)
+            total = self._all_reduced(total).to(device)
         return list(total.split([part.numel() for part in parts]))
 
     def host_sums(self, values: torch.Tensor) -> list[float]:
@@ -105,9 +109,7 @@ class DataParallel:
         synchronization, wherever the collective ran."""
         if self.world_size == 1:
             return HostSync.host_values(values)
-        work = self._collective_tensor(values.clone())
-        run_collective("all_reduce", self.world_size, dist.all_reduce, work, group=self.group)
-        return self.sync.values([work])[0]
+        return self.sync.values([self._all_reduced(values.clone())])[0]
 
     def _padded(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``rows`` (the concatenation of chunks of ``counts`` rows) as equal chunks."""

@@ -24,7 +24,7 @@ from zenflow.runtime.device_sums import device_sums_for, sums_bytes
 from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.migration import EnteringRows, LeavingRows
 from zenflow.runtime.nonfinite import clip_coefficient
-from zenflow.runtime.owned_weight import OwnedWeight
+from zenflow.runtime.owned_weight import OwnedWeight, QueuedReselection
 from zenflow.runtime.pending_update import UpdateEntry
 from zenflow.runtime.selective_step import (
     compiled_selective_adamw,
@@ -347,43 +347,54 @@ class Conductor:
             for w, scores in zip(weights, self.column_scores(weights), strict=True)
         ]
 
-    @_traced("zenflow::reselect")
-    def _reselect(self, weights: list[OwnedWeight]) -> None:
-        """Every one of ``weights`` takes its next selection now: the entering columns' rows
-        cross in one transfer for all of them, and one wait covers every leaving row."""
-        if not weights:
-            return
-        transfer = _transfer_for(weights, self.comm)
+    def _queue_reselections(
+        self, weights: list[OwnedWeight], with_sums: bool = False
+    ) -> tuple[list[QueuedReselection], list[torch.Tensor]]:
+        """Each weight's next selection, from this step's scores, and the entering columns'
+        rows of all of them (``with_sums``: with their window sums) sent to the device in one
+        transfer: (the queued reselections, what the transfer sent)."""
+        transfer = EnteringRows(weights[0].state.device, self.comm, weights[0].pin)
         selections = self._selections(weights)
         queued = [
-            w.queue_reselection(s, transfer) for w, s in zip(weights, selections, strict=True)
+            w.queue_reselection(s, transfer, with_sums)
+            for w, s in zip(weights, selections, strict=True)
         ]
-        sent = transfer.send()
+        return queued, transfer.send()
+
+    def _take_reselections(
+        self, weights: list[OwnedWeight], queued: list[QueuedReselection], sent: list
+    ) -> None:
+        """The queued selections take effect; the leaving rows of all of them start for the
+        host together (each weight's host rows move at its ``state.settle()``)."""
         leaving = LeavingRows()
         for w, reselection in zip(weights, queued, strict=True):
             to_host, to_device = w.take_reselection(reselection, sent, leaving)
             self.counters["d2h_bytes"] += to_host
             self.counters["h2d_bytes"] += to_device
         leaving.send()
+
+    @_traced("zenflow::reselect")
+    def _reselect(self, weights: list[OwnedWeight]) -> None:
+        """Every one of ``weights`` takes its next selection now: the entering columns' rows
+        cross in one transfer for all of them, and one wait covers every leaving row."""
+        if not weights:
+            return
+        self._take_reselections(weights, *self._queue_reselections(weights))
         for w in weights:
             w.state.settle()
 
     @_traced("zenflow::reselect")
-    def _enter_on_device(self, weights: list[OwnedWeight]) -> list:
+    def _enter_on_device(
+        self, weights: list[OwnedWeight]
+    ) -> tuple[list[QueuedReselection], list[torch.Tensor]]:
         """An overlapped select boundary, before its window's CPU update is submitted: the
         next selection of each of ``weights``, and the closing window's update of the
         columns entering it, on the device (their state rows and window sums in one transfer;
         one AdamW call per param group and device, as the CPU update would make it: mean
-        gradient, the window's lr, weight decay once). Returns (weight, its queued
-        reselection, what the transfer sent, updated there) for ``_reselect_later``. Runs
-        eagerly: once per select interval, on tensors of new shapes each time."""
-        transfer = _transfer_for(weights, self.comm)
-        selections = self._selections(weights)
-        queued = [
-            w.queue_reselection(s, transfer, with_sums=True)
-            for w, s in zip(weights, selections, strict=True)
-        ]
-        sent = transfer.send()
+        gradient, the window's lr, weight decay once). Returns the queued reselections and
+        what the transfer sent, updated there, for ``_reselect_later``. Runs eagerly: once
+        per select interval, on tensors of new shapes each time."""
+        queued, sent = self._queue_reselections(weights, with_sums=True)
         calls = {}
         for w, reselection in zip(weights, queued, strict=True):
             if not w.device_sums:
@@ -406,18 +417,15 @@ class Conductor:
                 hyper["weight_decay"],
                 [None] * len(rows),
             )
-        return [(w, q, sent) for w, q in zip(weights, queued, strict=True)]
+        return queued, sent
 
-    def _reselect_later(self, entered: list) -> None:
+    def _reselect_later(
+        self, weights: list[OwnedWeight], queued: list[QueuedReselection], sent: list
+    ) -> None:
         """The selections ``_enter_on_device`` chose take effect; the host rows move once the
         CPU update submitted meanwhile is done with them."""
-        leaving = LeavingRows()
-        for w, reselection, sent in entered:
-            to_host, to_device = w.take_reselection(reselection, sent, leaving)
-            self.counters["d2h_bytes"] += to_host
-            self.counters["h2d_bytes"] += to_device
-        leaving.send()
-        for w, _, _ in entered:
+        self._take_reselections(weights, queued, sent)
+        for w in weights:
             self.counters["h2d_bytes"] += w.write_selected()
 
     @_traced("zenflow::device_update")
@@ -584,7 +592,7 @@ class Conductor:
         # The weights whose CPU update is submitted now select on the device before it; the
         # others (no open window) have no update running over their host rows.
         later = [w for w in reselecting if w in weights] if background else []
-        entered = []
+        entered = [], []
         if later:
             self.jobs.finish_sums()  # the entering columns' sums include this step's rows
             entered = self._enter_on_device(later)
@@ -598,7 +606,7 @@ class Conductor:
                     self.counters["blocking_updates"] += 1
         self.counters["cpu_updates"] += 1 if weights else 0
         if reselecting:
-            self._reselect_later(entered)
+            self._reselect_later(later, *entered)
             self._reselect([w for w in reselecting if w not in later])
             self.counters["reselections"] += 1
         self.window_steps = 0
@@ -692,11 +700,6 @@ def _mixed_scales() -> RuntimeError:
         "mul_) and of others not, or by other factors: a step applies one factor to all "
         "its staged gradients; scale them alike (clip_grad_norm_(model.parameters(), ...))"
     )
-
-
-def _transfer_for(weights: list[OwnedWeight], comm: DataParallel) -> EnteringRows:
-    """One transfer of entering rows for ``weights``, whose state lives on one device."""
-    return EnteringRows(weights[0].state.device, comm, weights[0].pin)
 
 
 def _window_rows(w: OwnedWeight) -> int:
