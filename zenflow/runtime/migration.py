@@ -114,7 +114,8 @@ class LeavingRows:
 
     def __init__(self):
         self._queued: list[tuple[torch.Tensor, torch.device]] = []  # (rows, host tensor's device)
-        self._landing: list[tuple[PendingCopy, int]] | None = None  # (copy, offset) per place
+        # Once sent, per place: the copy its rows are in, their offset there and their shape.
+        self._landing: list[tuple[PendingCopy, int, torch.Size]] | None = None
 
     def add(self, device: torch.Tensor, index: torch.Tensor, host: torch.Tensor) -> int:
         """Queue rows ``index`` of ``device`` for ``host`` (in its dtype); returns their place
@@ -124,28 +125,29 @@ class LeavingRows:
 
     def send(self) -> None:
         """Start every queued row for the host."""
-        landing: list[tuple[PendingCopy, int] | None] = [None] * len(self._queued)
+        landing: list[tuple[PendingCopy, int, torch.Size] | None] = [None] * len(self._queued)
         by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, (rows, host_device) in enumerate(self._queued):
             if host_device.type != "cpu":
-                landing[i] = (PendingCopy(rows), 0)
+                landing[i] = (PendingCopy(rows), 0, rows.shape)
             else:
                 by_kind.setdefault((rows.device, rows.dtype), []).append(i)
         for (device, _), members in by_kind.items():
-            parts = [self._queued[i][0].reshape(-1) for i in members]
-            copy = copy_stream(device).copy_to_host(torch.cat(parts), owned=True)
+            parts = [self._queued[i][0] for i in members]
+            flat = torch.cat([part.reshape(-1) for part in parts])
+            copy = copy_stream(device).copy_to_host(flat, owned=True)
             offset = 0
             for i, part in zip(members, parts, strict=True):
-                landing[i] = (copy, offset)
+                landing[i] = (copy, offset, part.shape)
                 offset += part.numel()
         self._landing = landing
+        self._queued = []  # the device rows are in the copies now
 
     def landed(self, place: int, sync: HostSync) -> torch.Tensor:
         """The rows queued at ``place``, on the host once their copy is done (the first wait
         covers every copy issued before it)."""
         assert self._landing is not None, "leaving rows read before they were sent"
-        copy, offset = self._landing[place]
-        shape = self._queued[place][0].shape
+        copy, offset, shape = self._landing[place]
         return copy.wait(sync).view(-1)[offset : offset + math.prod(shape)].view(shape)
 
 
