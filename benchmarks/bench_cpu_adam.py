@@ -97,7 +97,7 @@ def adamw_case(numel, ds_adam):
 
 def boundary_case(numel, ds_adam):
     """name -> callable doing one ZenFlow boundary: acc += g_last; AdamW(acc / n); acc = 0;
-    out16 = bf16(p)."""
+    out = bf16(p)."""
     cases = {}
     last_grad = (torch.randn(numel) * 1e-2).to(torch.bfloat16)
     hyper = dict(HYPER)
@@ -114,7 +114,7 @@ def boundary_case(numel, ds_adam):
     def fused():
         cpu_adam.boundary_adamw_step(
             [p.detach()], [acc], [last_grad], [m], [v], n=N_ACCUMULATED,
-            beta1=beta1, beta2=beta2, steps=5, out16=[out], **hyper,
+            beta1=beta1, beta2=beta2, steps=5, out=[out], **hyper,
         )  # fmt: skip
 
     cases["zenflow fused boundary"] = fused

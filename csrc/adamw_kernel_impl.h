@@ -61,6 +61,7 @@ inline void update_block(float* p, const void* g, float* m, float* v, float* acc
     Vec::store(p + i, param);
     Vec::store(m + i, exp_avg);
     Vec::store(v + i, exp_avg_sq);
+    if constexpr (O == kF32) Vec::store(static_cast<float*>(out) + i, param);
     if constexpr (O == kBF16) Vec::store_bf16(static_cast<uint16_t*>(out) + i, param);
     if constexpr (O == kF16) Vec::store_f16(static_cast<uint16_t*>(out) + i, param);
   }
@@ -78,7 +79,7 @@ void update_run(const TensorWork& t, int64_t begin, int64_t n, const ElementCons
   const void* g = G == kNone
                       ? nullptr
                       : static_cast<const char*>(t.grad) + grad_index(t, begin) * dtype_size(G);
-  void* out = O == kNone ? nullptr : static_cast<char*>(t.out16) + begin * 2;
+  void* out = O == kNone ? nullptr : static_cast<char*>(t.out) + begin * dtype_size(O);
 
   const int64_t body = n - n % W;
   update_block<G, O, kBoundary>(p, g, m, v, acc, out, body, c);
@@ -86,7 +87,7 @@ void update_run(const TensorWork& t, int64_t begin, int64_t n, const ElementCons
   if (rem == 0) return;
 
   alignas(64) float tp[W] = {}, tm[W] = {}, tv[W] = {}, tacc[W] = {};
-  alignas(64) char tg[W * 4] = {}, tout[W * 2] = {};
+  alignas(64) char tg[W * 4] = {}, tout[W * 4] = {};
   const size_t f = rem * sizeof(float);
   std::memcpy(tp, p + body, f);
   std::memcpy(tm, m + body, f);
@@ -100,7 +101,9 @@ void update_run(const TensorWork& t, int64_t begin, int64_t n, const ElementCons
   std::memcpy(m + body, tm, f);
   std::memcpy(v + body, tv, f);
   if constexpr (kBoundary) std::memcpy(acc + body, tacc, f);
-  if constexpr (O != kNone) std::memcpy(static_cast<char*>(out) + body * 2, tout, rem * 2);
+  if constexpr (O != kNone) {
+    std::memcpy(static_cast<char*>(out) + body * dtype_size(O), tout, rem * dtype_size(O));
+  }
 }
 
 // Splits [begin, end) into runs of equal step count (consecutive segments with the same step
@@ -141,7 +144,8 @@ void dispatch_boundary(const TensorWork& t, const Hyper& h, int64_t begin, int64
 
 template <int32_t G>
 void dispatch_out(const TensorWork& t, const Hyper& h, int64_t begin, int64_t end) {
-  switch (t.out16 == nullptr ? kNone : t.out_dtype) {
+  switch (t.out == nullptr ? kNone : t.out_dtype) {
+    case kF32: return dispatch_boundary<G, kF32>(t, h, begin, end);
     case kBF16: return dispatch_boundary<G, kBF16>(t, h, begin, end);
     case kF16: return dispatch_boundary<G, kF16>(t, h, begin, end);
     default: return dispatch_boundary<G, kNone>(t, h, begin, end);

@@ -30,7 +30,7 @@ struct TensorWork {
   float* exp_avg;
   float* exp_avg_sq;
   float* accumulator;
-  void* out16;
+  void* out;  // optional copy of the updated params, in out_dtype
   int32_t out_dtype;
   int64_t numel;
   int64_t step;                  // step count after increment, for every element ...

@@ -38,7 +38,7 @@ zf::Isa effective_isa() {
   return isa == zf::kAuto ? zf::best_isa() : static_cast<zf::Isa>(isa);
 }
 
-bool valid_grad_dtype(int32_t d) { return d == zf::kF32 || d == zf::kBF16 || d == zf::kF16; }
+bool valid_dtype(int32_t d) { return d == zf::kF32 || d == zf::kBF16 || d == zf::kF16; }
 
 // Gathered gradient rows: whole rows of the tensor, each index inside the gradient's rows.
 std::string check_grad_rows(const TensorWork& t) {
@@ -61,10 +61,10 @@ std::string check_tensor(const TensorWork& t) {
   if (t.numel == 0) return "";
   if (!t.param || !t.exp_avg || !t.exp_avg_sq) return "null param, exp_avg or exp_avg_sq";
   if (!t.grad && !t.accumulator) return "no gradient (grad and accumulator are both null)";
-  if (t.grad && !valid_grad_dtype(t.grad_dtype)) return "grad dtype must be fp32, bf16 or fp16";
+  if (t.grad && !valid_dtype(t.grad_dtype)) return "grad dtype must be fp32, bf16 or fp16";
   if (const std::string rows = check_grad_rows(t); !rows.empty()) return rows;
-  if (t.out16 && t.out_dtype != zf::kBF16 && t.out_dtype != zf::kF16) {
-    return "out16 dtype must be bf16 or fp16";
+  if (t.out && !valid_dtype(t.out_dtype)) {
+    return "out dtype must be fp32, bf16 or fp16";
   }
   if (!t.segment_steps) return t.step >= 1 ? "" : "step must be >= 1 (the count after increment)";
   if (t.segment_len < 1) return "segment_len must be >= 1";
@@ -131,13 +131,13 @@ std::string check_accumulation(const TensorWork& t) {
   if (t.numel < 0) return "negative numel";
   if (t.numel == 0) return "";
   if (!t.accumulator || !t.grad) return "null accumulator or grad";
-  if (!valid_grad_dtype(t.grad_dtype)) return "grad dtype must be fp32, bf16 or fp16";
+  if (!valid_dtype(t.grad_dtype)) return "grad dtype must be fp32, bf16 or fp16";
   return check_grad_rows(t);
 }
 
 }  // namespace
 
-ZF_API int zf_abi_version() { return 7; }
+ZF_API int zf_abi_version() { return 8; }
 
 ZF_API void zf_record_sizes(int64_t* tensor_work, int64_t* hyper) {
   *tensor_work = sizeof(TensorWork);

@@ -187,8 +187,8 @@ def _special_values():
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_copy_out_rounds_to_nearest_even(isa, dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_copy_out_is_the_result_rounded_to_nearest_even(isa, dtype):
     if isa not in _supported_isas():
         pytest.skip(f"CPU lacks {isa}")
     cpu_adam._force_isa_for_tests(isa)
@@ -208,12 +208,13 @@ def test_copy_out_rounds_to_nearest_even(isa, dtype):
         eps=1e-8,
         weight_decay=0.0,
         steps=1,
-        out16=[out],
+        out=[out],
     )
     expected = p.to(dtype)
     nan = torch.isnan(p)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert torch.equal(torch.isnan(out), nan)
-    assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+    assert torch.equal(out[~nan].view(bits), expected[~nan].view(bits))
 
 
 def _job(seed, numels, grad_dtype, out_dtype, boundary):
@@ -226,7 +227,7 @@ def _job(seed, numels, grad_dtype, out_dtype, boundary):
         params=[b[0] for b in bufs],
         exp_avgs=[b[2] for b in bufs],
         exp_avg_sqs=[b[3] for b in bufs],
-        out16=[torch.empty(n, dtype=out_dtype) for n in numels] if out_dtype else None,
+        out=[torch.empty(n, dtype=out_dtype) for n in numels] if out_dtype else None,
         steps=steps,
         segment_len=64,
         **_hyper(HYPERS[0]),
@@ -245,7 +246,7 @@ def _run_job(args, boundary):
         cpu_adam.boundary_adamw_step(**args)
     else:
         cpu_adam.adamw_step(**args)
-    keys = ["params", "exp_avgs", "exp_avg_sqs", "out16", "accumulators"]
+    keys = ["params", "exp_avgs", "exp_avg_sqs", "out", "accumulators"]
     return [t for k in keys for t in (args.get(k) or [])]
 
 
@@ -276,10 +277,11 @@ def test_half_gradients_equal_their_fp32_upcast(grad_dtype):
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_last_grad", [True, False])
-def test_fused_boundary_equals_accumulate_then_step(with_last_grad):
+def test_fused_boundary_equals_accumulate_then_step(with_last_grad, out_dtype):
     numels = [5000, 17]
-    fused = _job(30, numels, torch.bfloat16, torch.bfloat16, True)
+    fused = _job(30, numels, torch.bfloat16, out_dtype, True)
     if not with_last_grad:
         fused["last_grads"] = None
     split = copy.deepcopy(fused)
@@ -292,11 +294,11 @@ def test_fused_boundary_equals_accumulate_then_step(with_last_grad):
         for acc, g in zip(accs, last, strict=True):
             acc += g.float()
     cpu_adam.adamw_step(grads=accs, grad_scale=1.0 / n, **split)
-    for key in ["params", "exp_avgs", "exp_avg_sqs", "out16"]:
+    for key in ["params", "exp_avgs", "exp_avg_sqs", "out"]:
         for a, b in zip(fused[key], split[key], strict=True):
             assert torch.equal(a, b), key
-    for p, out in zip(fused["params"], fused["out16"], strict=True):
-        assert torch.equal(out, p.to(torch.bfloat16))
+    for p, out in zip(fused["params"], fused["out"], strict=True):
+        assert torch.equal(out, p.to(out_dtype))
     assert all(torch.count_nonzero(acc) == 0 for acc in fused["accumulators"])
 
 
@@ -469,7 +471,7 @@ def _call(**overrides):
         (dict(exp_avg_sqs=[torch.zeros(8, device="meta")]), ValueError, r"is on meta"),
         (dict(grads=[torch.zeros(9)]), ValueError, r"grads\[0\] has 9 elements"),
         (dict(grads=[]), ValueError, "grads has 0 tensors for 1 params"),
-        (dict(out16=[torch.zeros(8)]), TypeError, r"out16\[0\] has dtype torch.float32"),
+        (dict(out=[torch.zeros(8).int()]), TypeError, r"out\[0\] has dtype torch.int32"),
         (dict(steps=0), ValueError, "steps count from 1"),
         (dict(beta2=1.0), ValueError, "beta2"),
         (dict(steps=[torch.ones(2, dtype=torch.int64)]), ValueError, "segment_len"),

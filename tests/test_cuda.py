@@ -185,6 +185,25 @@ def test_written_columns_leave_from_a_pinned_buffer_not_the_host_master(cuda_fp3
         )
 
 
+@pytest.mark.parametrize("warm_up", [0, 2])
+def test_an_fp32_models_updated_columns_leave_from_the_cpu_updates_own_copy(cuda_fp32, warm_up):
+    """The CPU update copies an fp32 weight's new rows into a pinned buffer as it computes
+    them: writing them back neither converts nor copies on the training thread (warm-up steps,
+    synchronous and overlapped windows alike)."""
+    sent = []
+    write_rows = OwnedWeight.write_rows
+
+    def recording_write_rows(self, mine, copied, columns, counts):
+        sent.append((copied, mine.is_pinned(), mine.dtype))
+        return write_rows(self, mine, copied, columns, counts)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(OwnedWeight, "write_rows", recording_write_rows)
+        for overlap in (False, True):
+            zenflow_run(cuda_fp32, "eager", overlap_step=overlap, full_warm_up_rounds=warm_up)
+    assert sent and set(sent) == {(True, True, torch.float32)}
+
+
 def test_one_copy_stream_per_cuda_device(cuda_fp32):
     stream = copy_stream(cuda_fp32)
     assert stream is copy_stream(cuda_fp32)  # the side stream: see the overlap tests above

@@ -482,6 +482,7 @@ class Conductor:
                 handed = [w.staging.hand_over() for w in group_weights]
                 for w in group_weights:
                     w.state.host_steps += 1
+                copies = [w.new_copy_rows() for w in group_weights]
                 handle = cpu_adam.submit_adamw_step(
                     [w.state.host_master for w in group_weights],
                     [_pool_rows(c, self.sync) for c in handed],
@@ -490,14 +491,15 @@ class Conductor:
                     steps=[w.state.host_steps for w in group_weights],
                     segment_len=[w.out for w in group_weights],
                     grad_scale=coefficient,
+                    out=copies,
                     **self._hyper(group_index),
                 )
                 self.jobs.collect(handle, "cpu_adam_s")
                 self.counters["blocking_updates"] += 1
                 _release(handed)
                 with torch.profiler.record_function("zenflow::write_unselected"):
-                    for w in group_weights:
-                        self.counters["h2d_bytes"] += UpdateEntry.of(w, None, None, None).write()
+                    for w, copy in zip(group_weights, copies, strict=True):
+                        self.counters["h2d_bytes"] += UpdateEntry.of(w, copy, None, None).write()
         self.counters["cpu_updates"] += 1 if weights else 0
 
     @_traced("zenflow::window_sums")

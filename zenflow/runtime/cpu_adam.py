@@ -11,10 +11,11 @@ double and rounded to float once)::
     m = lerp(m, g, 1 - beta1)
     v = v * beta2 + (1 - beta2) * g * g
     p = p + (-lr / (1 - beta1**step)) * m / (sqrt(v) / sqrt(1 - beta2**step) + eps)
-    out16 = round_to_nearest_even(p)            # optional bf16 / fp16 copy of the result
+    out = p                                     # optional copy of the result: fp32, or bf16 /
+                                                # fp16 rounded to nearest even
 
 Buffers: ``params``, ``exp_avgs``, ``exp_avg_sqs`` (and the boundary pass's ``accumulators``) are
-contiguous fp32 CPU tensors; gradients are fp32, bf16 or fp16; ``out16`` tensors are bf16 or fp16.
+contiguous fp32 CPU tensors; gradients and ``out`` tensors are fp32, bf16 or fp16.
 All tensors at one list index have the same number of elements and must not overlap one another.
 The lists form one multi-tensor job, sliced over the module's thread pool; every element takes
 the same instruction sequence, so results are bitwise identical for any thread count (and for
@@ -69,9 +70,8 @@ __all__ = [
 ]
 
 BUILD_HINT = "run `pip install -e .` (or `make install`) in the zenflow checkout to build csrc/"
-_ABI_VERSION = 7
-_GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_OUT_DTYPES = {torch.bfloat16: 1, torch.float16: 2}
+_ABI_VERSION = 8
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512"}
 DEFAULT_PT_RESERVED_CORES_PERC = 0.5  # ZenFlow's config default
 _WAIT_SLICE_MS = 100  # wait in slices so that Ctrl-C reaches Python during a long wait
@@ -90,7 +90,7 @@ class _TensorWork(ctypes.Structure):
         ("exp_avg", ctypes.c_void_p),
         ("exp_avg_sq", ctypes.c_void_p),
         ("accumulator", ctypes.c_void_p),
-        ("out16", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
         ("out_dtype", ctypes.c_int32),
         ("numel", ctypes.c_int64),
         ("step", ctypes.c_int64),
@@ -329,7 +329,7 @@ def _set_grad(record, grad, name: str, i: int, numel: int, of: str = "params") -
     many (csrc checks that each index is inside the source)."""
     if isinstance(grad, GatheredRows):
         source, index = grad
-        _check_tensor(source, f"{name}[{i}].source", None, tuple(_GRAD_DTYPES), None)
+        _check_tensor(source, f"{name}[{i}].source", None, tuple(_DTYPES), None)
         if source.dim() != 2:
             raise ValueError(f"{name}[{i}].source must be 2-D, got shape {tuple(source.shape)}")
         if index.device.type != "cpu" or index.dtype != torch.int64 or index.dim() != 1:
@@ -345,8 +345,8 @@ def _set_grad(record, grad, name: str, i: int, numel: int, of: str = "params") -
         record.grad_row_count = source.shape[0]
         grad = source
     else:
-        _check_tensor(grad, name, i, tuple(_GRAD_DTYPES), numel, of=of)
-    record.grad, record.grad_dtype = grad.data_ptr(), _GRAD_DTYPES[grad.dtype]
+        _check_tensor(grad, name, i, tuple(_DTYPES), numel, of=of)
+    record.grad, record.grad_dtype = grad.data_ptr(), _DTYPES[grad.dtype]
 
 
 def _submit(
@@ -364,7 +364,7 @@ def _submit(
     steps,
     segment_len,
     grad_scale,
-    out16,
+    out,
 ) -> CPUAdamHandle:
     lib = _load()
     count = len(params)
@@ -373,8 +373,8 @@ def _submit(
         lists["grads" if accumulators is None else "last_grads"] = grads
     if accumulators is not None:
         lists["accumulators"] = accumulators
-    if out16 is not None:
-        lists["out16"] = out16
+    if out is not None:
+        lists["out"] = out
     for name, tensors in lists.items():
         if len(tensors) != count:
             raise ValueError(f"{name} has {len(tensors)} tensors for {count} params")
@@ -386,7 +386,7 @@ def _submit(
 
     f32 = (torch.float32,)
     records = (_TensorWork * max(count, 1))()
-    keepalive = [params, grads, accumulators, exp_avgs, exp_avg_sqs, out16]
+    keepalive = [params, grads, accumulators, exp_avgs, exp_avg_sqs, out]
     for i, p in enumerate(params):
         _check_tensor(p, "params", i, f32, None)
         numel = p.numel()
@@ -402,9 +402,9 @@ def _submit(
         if accumulators is not None:
             _check_tensor(accumulators[i], "accumulators", i, f32, numel)
             r.accumulator = accumulators[i].data_ptr()
-        if out16 is not None and out16[i] is not None:
-            _check_tensor(out16[i], "out16", i, tuple(_OUT_DTYPES), numel)
-            r.out16, r.out_dtype = out16[i].data_ptr(), _OUT_DTYPES[out16[i].dtype]
+        if out is not None and out[i] is not None:
+            _check_tensor(out[i], "out", i, tuple(_DTYPES), numel)
+            r.out, r.out_dtype = out[i].data_ptr(), _DTYPES[out[i].dtype]
         step = step_list[i]
         if isinstance(step, torch.Tensor):
             seg = seg_list[i]
@@ -457,7 +457,7 @@ def submit_adamw_step(
     steps: int | Sequence[int | torch.Tensor],
     segment_len: int | Sequence[int | None] | None = None,
     grad_scale: float = 1.0,
-    out16: Sequence[torch.Tensor | None] | None = None,
+    out: Sequence[torch.Tensor | None] | None = None,
 ) -> CPUAdamHandle:
     """Queues one AdamW update of every tensor (gradient ``grads[i] * grad_scale``) and returns
     at once. See the module docstring for buffers, steps and segments."""
@@ -475,7 +475,7 @@ def submit_adamw_step(
         steps=steps,
         segment_len=segment_len,
         grad_scale=grad_scale,
-        out16=out16,
+        out=out,
     )
 
 
@@ -500,10 +500,10 @@ def submit_boundary_adamw_step(
     steps: int | Sequence[int | torch.Tensor],
     segment_len: int | Sequence[int | None] | None = None,
     grad_scale: float = 1.0,
-    out16: Sequence[torch.Tensor | None] | None = None,
+    out: Sequence[torch.Tensor | None] | None = None,
 ) -> CPUAdamHandle:
     """Queues ZenFlow's update-boundary pass, one read and write of each element:
-    ``acc += last_grad; AdamW step with gradient acc * grad_scale / n; acc = 0; out16 = p``.
+    ``acc += last_grad; AdamW step with gradient acc * grad_scale / n; acc = 0; out = p``.
     ``last_grads`` (or an entry of it) may be None when the accumulator already holds the sum.
     Bitwise equal to ``acc += last_grad`` followed by ``adamw_step(..., grad_scale=grad_scale / n)``.
     """
@@ -524,7 +524,7 @@ def submit_boundary_adamw_step(
         steps=steps,
         segment_len=segment_len,
         grad_scale=grad_scale / n,
-        out16=out16,
+        out=out,
     )
 
 

@@ -214,26 +214,29 @@ class OwnedWeight:
         write_columns(self.param, columns, values)
         return values.numel() * values.element_size()
 
-    def new_rounded_rows(self) -> torch.Tensor | None:
-        """A buffer for this rank's unselected rows in the parameter's 16-bit dtype, for a CPU
-        update to round its results into (pinned on a GPU machine: it is sent from there);
-        None for an fp32 parameter."""
-        if self.param.dtype not in (torch.bfloat16, torch.float16):
+    def new_copy_rows(self) -> torch.Tensor | None:
+        """A buffer for a CPU update to copy this rank's new unselected rows into, in the
+        parameter's dtype (a 16-bit one rounded by the job), so that neither a conversion nor a
+        copy of them is left to the training thread; pinned on a GPU, where the rows are sent
+        from there while the next update rewrites the host master. None for an fp32 parameter
+        elsewhere: it is written from the host master rows (on the CPU, where they are)."""
+        sixteen_bit = self.param.dtype in (torch.bfloat16, torch.float16)
+        if not (sixteen_bit or (self.pin and self.param.dtype == torch.float32)):
             return None
         rows = self.layout.host_columns.numel()
         return torch.empty(rows, self.out, dtype=self.param.dtype, pin_memory=self.pin)
 
     def write_rows(
-        self, mine: torch.Tensor, rounded: bool, columns: torch.Tensor, counts: list[int]
+        self, mine: torch.Tensor, copied: bool, columns: torch.Tensor, counts: list[int]
     ) -> int:
         """Write every rank's updated rows into the parameter's ``columns`` (on its device, in
         the order of the ranks' rows, ``counts[r]`` rows from rank ``r``); ``mine``: this
-        rank's rows, in the parameter's dtype when ``rounded`` (a CPU update rounded them),
-        else fp32 host master rows, converted here. Returns the bytes this rank sent to its
-        device."""
+        rank's rows, either a CPU update's copy of them in the parameter's dtype (``copied``),
+        sent as it is, or fp32 host master rows, converted here. Returns the bytes this rank
+        sent to its device."""
         # Each rank sends its own rows to its device and the ranks gather them there (over
         # NVLink, with NCCL), rather than gathering on the host and each sending them all.
-        if rounded:
+        if copied:
             on_device, _ = copy_stream(self.param.device).copy_to_device(mine)
         else:
             on_device = self._to_device(mine, "unselected")

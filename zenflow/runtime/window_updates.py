@@ -3,9 +3,10 @@
 A window's update is one C++ job per param group over the weights whose window is open: AdamW
 of each weight's unselected columns on the window's mean gradient (the fused boundary pass:
 the window's sum, plus the last step's rows where it folds them in, divided by the window's
-committed steps), with a 16-bit model's new values rounded by the job itself, in the same pass,
-so that writing them back converts nothing on the training thread. A synchronous update is
-applied at once; an overlapped one stays pending until the next window boundary.
+committed steps). The job also copies the new values, in the same pass, into a buffer in the
+parameter's dtype (rounded for a 16-bit model; pinned for any model on a GPU), so that writing
+them back converts and copies nothing on the training thread. A synchronous update is applied
+at once; an overlapped one stays pending until the next window boundary.
 """
 
 import contextlib
@@ -38,17 +39,17 @@ class WindowUpdates:
         entries, sums, lasts, shipping = [], [], [], []
         for w in weights:
             w.state.host_steps[w.layout.k_local :] += 1
-            rounded = w.new_rounded_rows()
+            copied = w.new_copy_rows()
             if w.device_sums:
                 shipping.append(w.window.ship(w.param.dtype))
-                entries.append(UpdateEntry.of(w, rounded, None, None))
+                entries.append(UpdateEntry.of(w, copied, None, None))
             else:
                 # The job reads (then zeroes) this window's sum while the next window fills
                 # the other buffer.
                 window_sum, last = w.window.take(background)
                 sums.append(window_sum)
                 lasts.append(None if last is None else last.rows)
-                entries.append(UpdateEntry.of(w, rounded, window_sum, last))
+                entries.append(UpdateEntry.of(w, copied, window_sum, last))
         # The pool reads the shipped sums: every copy must have landed (they land in order).
         for pending in shipping:
             shipped = pending.wait(self.sync)
@@ -61,7 +62,7 @@ class WindowUpdates:
         common = dict(
             steps=steps,
             segment_len=[w.out for w in weights],
-            out16=[entry.rounded for entry in entries],
+            out=[entry.copied for entry in entries],
             **hyper,
         )
         if weights[0].device_sums:
