@@ -34,6 +34,7 @@ from zenflow.runtime.selective_step import (
 from zenflow.runtime.staging.contributions import DeviceRows, Factors, HostRows, as_tensor
 from zenflow.runtime.streams import copy_stream
 from zenflow.runtime.vector_state import VectorState
+from zenflow.runtime.window_sum import add_device_rows
 from zenflow.runtime.window_updates import WindowUpdates
 from zenflow.settings import ZenFlowSettings
 
@@ -181,22 +182,11 @@ class Conductor:
             scales = _gradient_scales(owned)
             # Summed where the parts are (each device's, then the host's): one number per
             # device, not one per weight; the owned weights' apart, as ``scales`` apply to them.
-            owned_totals: dict[torch.device, torch.Tensor] = {}
-            vector_totals: dict[torch.device, torch.Tensor] = {}
-
-            def add(totals: dict, part: torch.Tensor) -> None:
-                totals[part.device] = part + totals[part.device] if part.device in totals else part
-
             self._scores = {}
-            for w in owned:
-                add(owned_totals, w.gradient_norm_sq())
+            owned_totals = _totals_by_device([w.gradient_norm_sq() for w in owned])
             self._before_norms()
-            for v in self.vectors:
-                if v.param.grad is not None:
-                    add(
-                        vector_totals,
-                        torch.linalg.vector_norm(v.param.grad, dtype=torch.float64) ** 2,
-                    )
+            grads = [v.param.grad for v in self.vectors if v.param.grad is not None]
+            vector_totals = _totals_by_device(_squared_norms(grads))
             # The one synchronization of an ordinary step: the rows still on their way to the
             # host land by the time the norm is known, and update_interval "auto" reads the
             # selected rows' energy with it, and the terms of the device-side sums' energy.
@@ -510,9 +500,13 @@ class Conductor:
         training thread goes on ("auto" reads the sums' norms every step: it adds them
         itself)."""
         sums, rows, releases = [], [], []
+        on_device, device_rows = [], []
         for w in weights:
             handed = w.staging.hand_over()
-            if isinstance(handed, Factors) and self.auto is None:
+            if isinstance(handed, DeviceRows):
+                on_device.append(w.window)
+                device_rows.append(handed.rows)
+            elif isinstance(handed, Factors) and self.auto is None:
                 w.window.defer(handed, coefficient)
             elif isinstance(handed, HostRows) and fold_last:
                 w.window.keep_last(handed, _window_rows(w), w.out)
@@ -524,6 +518,8 @@ class Conductor:
                     releases.append(handed.release)
             else:
                 w.window.add_now(handed, coefficient, w.out)
+        if on_device:
+            add_device_rows(on_device, device_rows, coefficient)
         if sums:
             self.jobs.queue_sums(sums, rows, releases, coefficient)
 
@@ -702,6 +698,28 @@ def _mixed_scales() -> RuntimeError:
         "mul_) and of others not, or by other factors: a step applies one factor to all "
         "its staged gradients; scale them alike (clip_grad_norm_(model.parameters(), ...))"
     )
+
+
+def _totals_by_device(parts: list[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
+    """The sum of the 0-d ``parts`` on each device (one stack and one sum per device, not an
+    addition per part)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for part in parts:
+        by_device.setdefault(part.device, []).append(part)
+    return {device: torch.stack(same).sum() for device, same in by_device.items()}
+
+
+def _squared_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's squared L2 norm in fp64: one multi-tensor norm per device and dtype."""
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    squared: list[torch.Tensor | None] = [None] * len(tensors)
+    for members in groups.values():
+        norms = torch._foreach_norm([tensors[i] for i in members], 2, dtype=torch.float64)
+        for i, norm in zip(members, torch._foreach_mul(norms, norms), strict=True):
+            squared[i] = norm
+    return squared
 
 
 def _window_rows(w: OwnedWeight) -> int:

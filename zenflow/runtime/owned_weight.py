@@ -206,12 +206,15 @@ class OwnedWeight:
         """Write the selected columns' new values into the parameter; returns the bytes that
         crossed to the device: with ``offload`` the values are sent from the host (counted
         even where the device is the CPU, like every count), else none."""
-        columns = self.layout.on(self.param.device, "selected")
+        device = self.param.device
+        columns = self.layout.on(device, "selected")
+        ascending = None if device.type == "cpu" else self.layout.selected_ascending_on(device)
         if not self.offload:
-            write_columns(self.param, columns, self.state.device_master.to(self.param.dtype))
+            values = self.state.device_master.to(self.param.dtype)
+            write_columns(self.param, columns, values, ascending)
             return 0
         values = self._to_device(self.state.device_master, "selected")
-        write_columns(self.param, columns, values)
+        write_columns(self.param, columns, values, ascending)
         return values.numel() * values.element_size()
 
     def new_copy_rows(self) -> torch.Tensor | None:

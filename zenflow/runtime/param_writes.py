@@ -18,11 +18,17 @@ from zenflow.runtime.cpu_adam import _load as load_library
 TILED_SCATTER_MIN_ELEMENTS = 1 << 16
 
 
-def write_columns(param: torch.Tensor, columns: torch.Tensor, rows: torch.Tensor) -> None:
+def write_columns(
+    param: torch.Tensor,
+    columns: torch.Tensor,
+    rows: torch.Tensor,
+    ascending: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """Column ``columns[i]`` of ``param`` (seen as ``[out, columns]``) := ``rows[i]``.
 
     ``columns``: distinct int64 indices; ``rows``: ``[n, out]`` in the parameter's dtype, on its
-    device."""
+    device; ``ascending``: ``columns.sort()`` where the caller keeps it (a GPU's write sorts
+    otherwise)."""
     matrix = as_matrix(param.detach())
     if rows.shape != (columns.numel(), matrix.shape[0]):
         raise ValueError(
@@ -30,7 +36,7 @@ def write_columns(param: torch.Tensor, columns: torch.Tensor, rows: torch.Tensor
             f"rows of shape [{columns.numel()}, {matrix.shape[0]}], got {list(rows.shape)}"
         )
     if matrix.device.type != "cpu":
-        ascending, position = columns.sort()
+        ascending, position = columns.sort() if ascending is None else ascending
         matrix.index_copy_(1, ascending, rows.t().index_select(1, position))
         return
     if not _tiled_scatter_fits(matrix, rows):

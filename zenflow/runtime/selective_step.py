@@ -67,9 +67,9 @@ def adamw_elements_(
     updates = torch._foreach_mul(exp_avgs, step_sizes)
     torch._foreach_div_(updates, denoms)
     torch._foreach_sub_(masters, updates)
-    for master, destination in zip(masters, destinations, strict=True):
-        if destination is not None:
-            destination.copy_(master)
+    written = [(d, m) for d, m in zip(destinations, masters, strict=True) if d is not None]
+    if written:
+        torch._foreach_copy_(*(list(part) for part in zip(*written, strict=True)))
 
 
 def selective_adamw_(

@@ -7,7 +7,8 @@ contributions``) join the window in one of four ways:
 
 * ``add_on_pool``: host rows added by the CPU pool, queued behind the update that may still be
   running there (the conductor batches every weight's into one job);
-* ``add_now``: on the training thread (update_interval "auto" reads the sum every step);
+* ``add_now``: on the training thread (update_interval "auto" reads the sum every step;
+  device-side sums, every weight's rows in one multi-tensor add: ``add_device_rows``);
 * ``defer``: a small batch's factors kept, the window's share of their product formed in one
   matmul when it closes (the sum is then written once per window);
 * ``keep_last``: the window's last step's host rows, which the update folds in itself.
@@ -159,3 +160,12 @@ class WindowSum:
             for x, dy in state["window_factors"]
         ]
         self.open = state["in_window"]
+
+
+def add_device_rows(windows: list[WindowSum], rows: list[torch.Tensor], coefficient: float) -> None:
+    """Device-side sums: ``add_now`` of every weight's rows at once, one multi-tensor add (on
+    a GPU a kernel per device for all the weights rather than one per weight)."""
+    sums = [w._ready(r.shape[0], r.shape[1]) for w, r in zip(windows, rows, strict=True)]
+    torch._foreach_add_(sums, rows, alpha=coefficient)
+    for w in windows:
+        w.open = True

@@ -8,7 +8,7 @@ would need its own reduction, so this strategy takes one rank.
 import torch
 
 from zenflow.runtime.staging.contributions import DeviceRows
-from zenflow.runtime.staging.ordered import OrderedStaging, sum_in_fp32
+from zenflow.runtime.staging.ordered import OrderedStaging
 
 
 class DeviceSumStaging(OrderedStaging):
@@ -18,8 +18,17 @@ class DeviceSumStaging(OrderedStaging):
         super().__init__(*args, **kwargs)
         self._unselected: torch.Tensor | None = None
 
-    def stage_unselected(self, unselected: torch.Tensor, first: bool) -> None:
-        self._unselected = sum_in_fp32(self._unselected, unselected)
+    def stage_parts(self, rows: torch.Tensor, first: bool) -> None:
+        # Every row stays on the device here, so the first micro-batch's rows, in fp32, are
+        # kept as they are (no copy for an fp32 model, one conversion for a 16-bit one), the
+        # selected and the unselected ones as two views; later micro-batches add into them.
+        k = self.layout.k
+        if first:
+            rows = rows.to(torch.float32)
+            self._selected, self._unselected = rows[:k], rows[k:]
+        else:
+            self._selected.add_(rows[:k])
+            self._unselected.add_(rows[k:])
 
     def host_rows(self) -> torch.Tensor:
         return self._unselected

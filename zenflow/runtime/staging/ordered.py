@@ -48,13 +48,18 @@ class OrderedStaging(Staging):
         # The caller hands ``rows`` over (formed for this alone, written by nothing else), so
         # an asynchronous copy needs no device-side snapshot of them.
         rows = rows_at(self._index())
-        k = self.layout.k
         first = not self.staged
-        self._selected = sum_in_fp32(self._selected, rows[:k])
-        self.stage_unselected(rows[k:], first)
+        self.stage_parts(rows, first)
         single = first and self.comm.world_size == 1
         self._scores_in_order = squared_row_norms(rows) if single else None
         self.micro_batches += 1
+
+    def stage_parts(self, rows: torch.Tensor, first: bool) -> None:
+        """A micro-batch's rows (in row order, handed over): the selected ones are kept, the
+        unselected ones sent on their way."""
+        k = self.layout.k
+        self._selected = sum_in_fp32(self._selected, rows[:k])
+        self.stage_unselected(rows[k:], first)
 
     def stage_unselected(self, unselected: torch.Tensor, first: bool) -> None:
         raise NotImplementedError
@@ -114,7 +119,7 @@ class OrderedStaging(Staging):
     def norm_sq(self) -> torch.Tensor:
         """On the device when staging took the scores there: the step sums every weight's
         there and reads one number, not one per weight."""
-        return self._take_scores().double().sum()
+        return self._take_scores().sum(dtype=torch.float64)
 
     def selected_rows(self) -> torch.Tensor:
         return self._selected
