@@ -1,0 +1,188 @@
+"""The operations the training thread dispatches per weight and step: what keeps a GPU waiting.
+
+    .venv/bin/python benchmarks/bench_host_ops.py [--quick] [--layers 96] [--dtype both]
+
+On a GPU every operation the host dispatches is a kernel launch (or at least a trip through
+the dispatcher), a few microseconds each: a model of many small weights, or one whose step is
+short, runs only as fast as its host thread dispatches. This counts them on the CPU, where the
+count is the same as on a GPU for the same code path (device-independent; no timing noise): a
+stack of ``--layers`` Linear(64, 64) layers, trained on a batch of 8 rows, each step's backward
+and ``step()`` + ``zero_grad()`` under torch.profiler, counting the top-level aten operations
+that do work (views, ``aten::to`` to the same dtype, and other operations that move no data are
+left out). Per weight (one weight and one bias per layer), by kind of step over one select
+cycle after warm-up (topk 0.1, update_interval 4, select_interval 8, overlap_step; the device
+step eager, as on a GPU):
+
+  zenflow device sums  ZenFlowAdamW, accumulate_on_device True (what "auto" picks on one GPU)
+  zenflow host sums    ZenFlowAdamW, accumulate_on_device False
+  torch adamw foreach  torch.optim.AdamW(foreach=True): the peer without offload
+  torch adamw fused    torch.optim.AdamW(fused=True)
+
+Every model's backward runs through the same eager graph (zenflow: backend "zenflow" with inner
+"eager"; torch: backend "aot_eager"), so the backward column is the model's own operations plus
+what zenflow adds. "mean" is over the whole select cycle (window-closing and reselecting steps
+included). DeepSpeed's rows are not here: its engine needs torch.distributed and its offload
+step runs on the host by design (bench_step.py times it).
+"""
+
+import argparse
+import collections
+import statistics
+import time
+
+import torch
+
+import zenflow
+
+CYCLE = 8
+SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_interval=CYCLE, overlap_step=True)
+# Operations that dispatch without moving data (views, metadata, profiler marks).
+NO_WORK = {
+    "aten::t",
+    "aten::view",
+    "aten::reshape",
+    "aten::slice",
+    "aten::permute",
+    "aten::detach",
+    "aten::expand",
+    "aten::unsqueeze",
+    "aten::squeeze",
+    "aten::select",
+    "aten::as_strided",
+    "aten::alias",
+    "aten::transpose",
+    "aten::resolve_conj",
+    "aten::resolve_neg",
+    "aten::split_with_sizes",
+    "aten::split",
+    "aten::lift_fresh",
+    "aten::empty",
+    "aten::empty_strided",
+    "aten::new_empty",
+}
+# Operations that move data only when they copy (a nested copy among their callees).
+MAYBE_WORK = {"aten::to", "aten::contiguous", "aten::reshape", "aten::type_as"}
+COPIES = {"aten::_to_copy", "aten::copy_", "aten::clone"}
+
+
+def _args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="24 layers, one dtype (smoke)")
+    parser.add_argument("--layers", type=int, default=None, help="Linear(64, 64) layers (96)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "both"), default=None)
+    args = parser.parse_args(argv)
+    args.layers = args.layers or (24 if args.quick else 96)
+    args.dtype = args.dtype or ("fp32" if args.quick else "both")
+    return args
+
+
+def _is_aten(event) -> bool:
+    return event.name.startswith("aten::")
+
+
+def _working_ops(prof) -> int:
+    """Top-level aten operations (none of their callers an aten operation) that do work."""
+    children = collections.defaultdict(list)
+    for event in prof.events():
+        if event.cpu_parent is not None:
+            children[id(event.cpu_parent)].append(event)
+    count = 0
+    for event in prof.events():
+        if not _is_aten(event) or (event.name in NO_WORK and event.name not in MAYBE_WORK):
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not _is_aten(parent):
+            parent = parent.cpu_parent
+        if parent is not None:
+            continue
+        if event.name in MAYBE_WORK and not _copies(event, children):
+            continue
+        count += 1
+    return count
+
+
+def _copies(event, children) -> bool:
+    return any(c.name in COPIES or _copies(c, children) for c in children[id(event)])
+
+
+def _row(name: str, layers: int, dtype: torch.dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(layers))).to(dtype)
+    if name.startswith("zenflow"):
+        opt = zenflow.ZenFlowAdamW(
+            model.parameters(),
+            lr=1e-3,
+            accumulate_on_device=name == "zenflow device sums",
+            step_backend="eager",
+            **SETTINGS,
+        )
+        compiled = torch.compile(model, backend="zenflow", options={"inner": "eager"})
+    else:
+        variant = dict(fused=True) if name.endswith("fused") else dict(foreach=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **variant)
+        compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(8, 64, dtype=dtype)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+
+    def step(profiled: bool):
+        loss = compiled(x).float().square().mean()
+        if not profiled:
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return None
+        with torch.profiler.profile(activities=activities) as backward:
+            loss.backward()
+        started = time.perf_counter()
+        with torch.profiler.profile(activities=activities) as stepped:
+            opt.step()
+            opt.zero_grad()
+        host_s = time.perf_counter() - started
+        return _working_ops(backward), _working_ops(stepped), host_s
+
+    for _ in range(3 * CYCLE):  # warm-up, the first selection, one whole select cycle
+        step(False)
+    return [step(True) for _ in range(CYCLE)]
+
+
+def main(argv=None) -> None:
+    args = _args(argv)
+    torch.set_num_threads(1)
+    dtypes = {"fp32": [torch.float32], "bf16": [torch.bfloat16]}.get(
+        args.dtype, [torch.float32, torch.bfloat16]
+    )
+    rows = ("zenflow device sums", "zenflow host sums", "torch adamw foreach", "torch adamw fused")
+    print("# bench_host_ops: operations dispatched per weight and step (top-level aten ops)")
+    print(
+        f"model: {args.layers} x Linear(64, 64), batch 8; torch {torch.__version__}; "
+        f"zenflow {', '.join(f'{k} {v}' for k, v in SETTINGS.items())}; one select cycle"
+    )
+    for dtype in dtypes:
+        print(f"\n## {str(dtype).removeprefix('torch.')}: ops per weight (and host ms per step)")
+        header = (
+            f"{'row':22s}{'backward':>10s}{'ordinary':>10s}{'window':>10s}{'select':>10s}"
+            f"{'mean step':>11s}{'step() ms':>11s}"
+        )
+        print(header + "\n" + "-" * len(header))
+        for name in rows:
+            if name.endswith("fused") and dtype != torch.float32:
+                continue  # fused AdamW on the CPU takes fp32 parameters only
+            steps = _row(name, args.layers, dtype)
+            per_weight = [(b / args.layers, s / args.layers) for b, s, _ in steps]
+            by_kind = [s for _, s in per_weight]
+            # Steps 0..7 of the cycle: 3 and 7 close a window; 7 is also a select boundary.
+            ordinary = statistics.mean(by_kind[i] for i in (0, 1, 2, 4, 5, 6))
+            print(
+                f"{name:22s}{statistics.mean(b for b, _ in per_weight):10.1f}{ordinary:10.1f}"
+                f"{by_kind[3]:10.1f}{by_kind[7]:10.1f}{statistics.mean(by_kind):11.1f}"
+                f"{statistics.mean(h for _, _, h in steps) * 1e3:11.2f}"
+            )
+    print(
+        "\nordinary: a step inside a window; window: one closing a window; select: a select "
+        "boundary. Step columns count step() + zero_grad(); step() ms is this CPU's host "
+        "time, profiler on."
+    )
+
+
+if __name__ == "__main__":
+    main()
