@@ -28,7 +28,6 @@ step runs on the host by design (bench_step.py times it).
 import argparse
 import collections
 import statistics
-import time
 
 import torch
 
@@ -67,11 +66,11 @@ COPIES = {"aten::_to_copy", "aten::copy_", "aten::clone"}
 
 def _args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="24 layers, one dtype (smoke)")
+    parser.add_argument("--quick", action="store_true", help="8 layers, fp32 only (smoke)")
     parser.add_argument("--layers", type=int, default=None, help="Linear(64, 64) layers (96)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "both"), default=None)
     args = parser.parse_args(argv)
-    args.layers = args.layers or (24 if args.quick else 96)
+    args.layers = args.layers or (8 if args.quick else 96)
     args.dtype = args.dtype or ("fp32" if args.quick else "both")
     return args
 
@@ -133,12 +132,10 @@ def _row(name: str, layers: int, dtype: torch.dtype):
             return None
         with torch.profiler.profile(activities=activities) as backward:
             loss.backward()
-        started = time.perf_counter()
         with torch.profiler.profile(activities=activities) as stepped:
             opt.step()
             opt.zero_grad()
-        host_s = time.perf_counter() - started
-        return _working_ops(backward), _working_ops(stepped), host_s
+        return _working_ops(backward), _working_ops(stepped)
 
     for _ in range(3 * CYCLE):  # warm-up, the first selection, one whole select cycle
         step(False)
@@ -158,29 +155,29 @@ def main(argv=None) -> None:
         f"zenflow {', '.join(f'{k} {v}' for k, v in SETTINGS.items())}; one select cycle"
     )
     for dtype in dtypes:
-        print(f"\n## {str(dtype).removeprefix('torch.')}: ops per weight (and host ms per step)")
+        print(
+            f"\n## {str(dtype).removeprefix('torch.')}: operations per layer (a weight and a bias)"
+        )
         header = (
             f"{'row':22s}{'backward':>10s}{'ordinary':>10s}{'window':>10s}{'select':>10s}"
-            f"{'mean step':>11s}{'step() ms':>11s}"
+            f"{'mean step':>11s}"
         )
         print(header + "\n" + "-" * len(header))
         for name in rows:
             if name.endswith("fused") and dtype != torch.float32:
                 continue  # fused AdamW on the CPU takes fp32 parameters only
             steps = _row(name, args.layers, dtype)
-            per_weight = [(b / args.layers, s / args.layers) for b, s, _ in steps]
+            per_weight = [(b / args.layers, s / args.layers) for b, s in steps]
             by_kind = [s for _, s in per_weight]
             # Steps 0..7 of the cycle: 3 and 7 close a window; 7 is also a select boundary.
             ordinary = statistics.mean(by_kind[i] for i in (0, 1, 2, 4, 5, 6))
             print(
                 f"{name:22s}{statistics.mean(b for b, _ in per_weight):10.1f}{ordinary:10.1f}"
                 f"{by_kind[3]:10.1f}{by_kind[7]:10.1f}{statistics.mean(by_kind):11.1f}"
-                f"{statistics.mean(h for _, _, h in steps) * 1e3:11.2f}"
             )
     print(
         "\nordinary: a step inside a window; window: one closing a window; select: a select "
-        "boundary. Step columns count step() + zero_grad(); step() ms is this CPU's host "
-        "time, profiler on."
+        "boundary. Step columns count step() + zero_grad()."
     )
 
 

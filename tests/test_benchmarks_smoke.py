@@ -71,3 +71,10 @@ def test_bench_auto_interval_quick(tmp_path):
     assert int(rows["2"][0]) == 2 * int(rows["4"][0])  # a fixed interval's update count
     assert rows["8"][1] != rows["8"][2]  # auto's step size changed the same windows' loss
     assert out.count("against the curves at") == 2 and out.count("criterion") == 2
+
+
+def test_bench_host_ops_quick():
+    out = _run("bench_host_ops.py")
+    assert "## float32: operations per layer" in out
+    for row in ("zenflow device sums", "zenflow host sums", "torch adamw foreach"):
+        assert any(line.startswith(row) for line in out.splitlines()), row
