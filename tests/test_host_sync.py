@@ -135,3 +135,24 @@ def test_a_reselection_sends_its_rows_to_the_host_in_one_copy_per_dtype(monkeypa
     assert few[1:] == many[1:]
     for (kind, _), copied in zip(kinds[1:], few[1:], strict=True):  # after the first selection
         assert sorted(copied, key=str) == ([torch.float32, torch.int64] if kind == "select" else [])
+
+
+def test_a_window_close_ships_every_device_side_sum_in_one_copy(monkeypatch):
+    """Device-side sums: a step that closes a window sends every weight's sum (in the
+    parameter's dtype) to the host side by side, in one copy, for 6 weights as for 24; a
+    select boundary adds the leaving rows' copies (fp32 values and moments, int64 steps)."""
+    copy_to_host = CopyStream.copy_to_host
+
+    def recording(self, source, out=None, owned=False):
+        issued_copies.append(source.dtype)
+        return copy_to_host(self, source, out=out, owned=owned)
+
+    monkeypatch.setattr(CopyStream, "copy_to_host", recording)
+    few, many = [], []
+    kinds = syncs_by_step(6, copy_stream=False, copies=few, accumulate_on_device=True)
+    syncs_by_step(24, copy_stream=False, copies=many, accumulate_on_device=True)
+    assert few[1:] == many[1:]
+    shipped = {"ordinary": [], "window close": [torch.float32]}
+    shipped["select"] = [torch.float32, torch.float32, torch.int64]
+    for (kind, _), copied in zip(kinds[1:], few[1:], strict=True):  # after the first selection
+        assert sorted(copied, key=str) == shipped[kind], kind

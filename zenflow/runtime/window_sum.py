@@ -15,6 +15,8 @@ contributions``) join the window in one of four ways:
 
 ``take`` hands the window to its CPU update; with an overlapped update the next window fills a
 second buffer meanwhile (``give_back`` returns the first once the update is done with it).
+Device-side sums cross to the host instead, every weight's of a param group together
+(``SumShipment``).
 """
 
 import torch
@@ -27,8 +29,7 @@ from zenflow.runtime.streams import PendingCopy, copy_stream
 
 
 class WindowSum:
-    """Owns the window's sum and its spare buffer, the host buffer a device-side sum is shipped
-    into, the last step's rows (``last``, with their
+    """Owns the window's sum and its spare buffer, the last step's rows (``last``, with their
     block's release), the deferred factors, and whether any step joined since the last close
     (``open``)."""
 
@@ -36,7 +37,6 @@ class WindowSum:
         self.device = device  # where the sum is kept
         self.sum: torch.Tensor | None = None
         self._spare: torch.Tensor | None = None
-        self._shipped: torch.Tensor | None = None  # device-side sums: the host copy's buffer
         self.last: HostRows | None = None
         self.deferred: list[Factors] = []
         self.open = False
@@ -127,22 +127,6 @@ class WindowSum:
         if taken is not self.sum and self.sum is not None and taken.shape == self.sum.shape:
             self._spare = taken
 
-    def ship(self, dtype: torch.dtype) -> PendingCopy:
-        """Device-side sums: the window's sum in ``dtype`` on its way to the host buffer kept
-        for it (pinned on a GPU), through the copy stream, so that the host waits once for
-        every weight's; the device sum starts the next window at zero. The buffer is written
-        again at the next window's close, after the update reading it was applied."""
-        converted = self.sum.to(dtype, copy=True)
-        shipped = self._shipped
-        if shipped is None or shipped.shape != converted.shape or shipped.dtype != dtype:
-            pin = self.device.type == "cuda"
-            shipped = torch.empty(converted.shape, dtype=dtype, pin_memory=pin)
-            self._shipped = shipped
-        pending = copy_stream(self.device).copy_to_host(converted, out=shipped, owned=True)
-        self.sum.zero_()
-        self.open = False
-        return pending
-
     def state_dict(self) -> dict:
         return {
             "accumulator": self.sum,
@@ -169,3 +153,46 @@ def add_device_rows(windows: list[WindowSum], rows: list[torch.Tensor], coeffici
     torch._foreach_add_(sums, rows, alpha=coefficient)
     for w in windows:
         w.open = True
+
+
+class SumShipment:
+    """Device-side sums of one param group's windows on their way to the host at a close, one
+    copy per device and dtype: converted side by side into one device buffer, sent through the
+    copy stream into one host buffer (pinned on a GPU). Owns the host buffers, written again at
+    the group's next close, after the update that read them was applied."""
+
+    def __init__(self):
+        self._host: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def ship(
+        self, windows: list[WindowSum], dtypes: list[torch.dtype]
+    ) -> tuple[list[PendingCopy], list[torch.Tensor]]:
+        """Every window's sum in its dtype (``dtypes[i]``) on its way to the host: the copies
+        (the host reads the sums once they have landed) and each sum's host rows. The device
+        sums start the next window at zero."""
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, (window, dtype) in enumerate(zip(windows, dtypes, strict=True)):
+            groups.setdefault((window.device, dtype), []).append(i)
+        copies, shipped = [], [None] * len(windows)
+        for (device, dtype), members in groups.items():
+            sums = [windows[i].sum for i in members]
+            sizes = [total.numel() for total in sums]
+            side_by_side = torch.empty(sum(sizes), dtype=dtype, device=device)
+            parts = [
+                part.view(total.shape)
+                for part, total in zip(side_by_side.split(sizes), sums, strict=True)
+            ]
+            torch._foreach_copy_(parts, sums)
+            host = self._host.get((device, dtype))
+            if host is None or host.numel() != side_by_side.numel():
+                pin = device.type == "cuda"
+                host = torch.empty(side_by_side.numel(), dtype=dtype, pin_memory=pin)
+                self._host[(device, dtype)] = host
+            stream = copy_stream(device)
+            copies.append(stream.copy_to_host(side_by_side, out=host, owned=True))
+            for i, part, total in zip(members, host.split(sizes), sums, strict=True):
+                shipped[i] = part.view(total.shape)
+            torch._foreach_zero_(sums)
+            for i in members:
+                windows[i].open = False
+        return copies, shipped

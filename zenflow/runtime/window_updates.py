@@ -18,10 +18,12 @@ from zenflow.runtime.cpu_jobs import CPUJobs
 from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.owned_weight import OwnedWeight
 from zenflow.runtime.pending_update import PendingUpdate, UpdateEntry
+from zenflow.runtime.window_sum import SumShipment
 
 
 class WindowUpdates:
-    """Owns the updates in flight (``pending``, oldest first); counts into the optimizer's
+    """Owns the updates in flight (``pending``, oldest first) and each param group's shipment
+    of device-side sums to the host (``SumShipment``); counts into the optimizer's
     ``counters`` (the bytes of shipped device-side sums and of write-backs), waits for CPU jobs
     through its ``jobs`` and for copies through ``sync``."""
 
@@ -30,18 +32,18 @@ class WindowUpdates:
         self.sync = sync
         self.counters = counters
         self.pending: list[PendingUpdate] = []
+        self._shipments: dict[int, SumShipment] = {}  # by param group: device-side sums
 
     def submit(
         self, weights: list[OwnedWeight], hyper: dict, window_steps: int, background: bool
     ) -> PendingUpdate:
         """Queue the update of one param group's ``weights`` (``hyper``: its AdamW settings,
         the learning rate already scaled for the window)."""
-        entries, sums, lasts, shipping = [], [], [], []
+        entries, sums, lasts = [], [], []
         for w in weights:
             w.state.host_steps[w.layout.k_local :] += 1
             copied = w.new_copy_rows()
             if w.device_sums:
-                shipping.append(w.window.ship(w.param.dtype))
                 entries.append(UpdateEntry.of(w, copied, None, None))
             else:
                 # The job reads (then zeroes) this window's sum while the next window fills
@@ -50,11 +52,15 @@ class WindowUpdates:
                 sums.append(window_sum)
                 lasts.append(None if last is None else last.rows)
                 entries.append(UpdateEntry.of(w, copied, window_sum, last))
-        # The pool reads the shipped sums: every copy must have landed (they land in order).
-        for pending in shipping:
-            shipped = pending.wait(self.sync)
-            self.counters["d2h_bytes"] += shipped.numel() * shipped.element_size()
-            sums.append(shipped)
+        if weights[0].device_sums:
+            shipment = self._shipments.setdefault(weights[0].group_index, SumShipment())
+            copies, sums = shipment.ship(
+                [w.window for w in weights], [w.param.dtype for w in weights]
+            )
+            # The pool reads the shipped sums: every copy must have landed (they land in order).
+            for pending in copies:
+                shipped = pending.wait(self.sync)
+                self.counters["d2h_bytes"] += shipped.numel() * shipped.element_size()
         unselected = [w.state.unselected(w.layout) for w in weights]
         masters, exp_avgs, exp_avg_sqs, steps = (
             list(part) for part in zip(*unselected, strict=True)
