@@ -49,17 +49,22 @@ issued_copies: list[torch.dtype] = []  # by the copy-stream spy of a test that i
 
 
 def syncs_by_step(
-    weights: int, *, copy_stream: bool, copies: list | None = None, **settings
+    weights: int,
+    *,
+    copy_stream: bool,
+    copies: list | None = None,
+    dtype: torch.dtype = torch.float32,
+    **settings,
 ) -> list[tuple[str, int]]:
-    """Trains a stack of ``weights`` Linear layers for 12 steps (update_interval 2,
-    select_interval 4, overlap_step unless given) and returns each step's kind and the
-    synchronizations it took; appends to ``copies`` (if given) each step's copies to the host
-    (the dtypes copied), recorded in ``issued_copies``."""
+    """Trains a stack of ``weights`` Linear layers (in ``dtype``) for 12 steps (update_interval
+    2, select_interval 4, overlap_step unless given) and returns each step's kind and the
+    synchronizations it took; appends to ``copies`` (if given) each step's copies (the dtypes
+    copied), recorded in ``issued_copies`` by a test's spy."""
     torch.manual_seed(0)
     layers = []
     for _ in range(weights):
         layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()]
-    model = torch.nn.Sequential(*layers)
+    model = torch.nn.Sequential(*layers).to(dtype)
     options = dict(topk_ratio=0.25, update_interval=2, select_interval=4, overlap_step=True)
     options.update(settings)
     if copy_stream:
@@ -71,7 +76,7 @@ def syncs_by_step(
     g = torch.Generator().manual_seed(1)
     counted = []
     for _step in range(12):
-        x = torch.randn(4, WIDTH, generator=g) * torch.linspace(0.1, 3.0, WIDTH)
+        x = (torch.randn(4, WIDTH, generator=g) * torch.linspace(0.1, 3.0, WIDTH)).to(dtype)
         opt.zero_grad()
         model(x).square().mean().backward()
         before = opt.stats()
@@ -156,3 +161,26 @@ def test_a_window_close_ships_every_device_side_sum_in_one_copy(monkeypatch):
     shipped["select"] = [torch.float32, torch.float32, torch.int64]
     for (kind, _), copied in zip(kinds[1:], few[1:], strict=True):  # after the first selection
         assert sorted(copied, key=str) == shipped[kind], kind
+
+
+@pytest.mark.parametrize("device_sums", [False, True], ids=["host-sums", "device-sums"])
+def test_a_window_close_sends_every_weights_new_columns_in_one_copy(monkeypatch, device_sums):
+    """A bf16 model: the CPU update rounds every weight's new unselected rows into one buffer,
+    sent to the device in one copy when the update is applied (the copy-stream twin on the
+    CPU), for 6 weights as for 24; a step that applies none sends none."""
+    copy_to_device = CopyStream.copy_to_device
+
+    def recording(self, source):
+        issued_copies.append(source.dtype)
+        return copy_to_device(self, source)
+
+    monkeypatch.setattr(CopyStream, "copy_to_device", recording)
+    settings = dict(copy_stream=False, dtype=torch.bfloat16, accumulate_on_device=device_sums)
+    few, many = [], []
+    kinds = syncs_by_step(6, copies=few, **settings)
+    syncs_by_step(24, copies=many, **settings)
+    assert few == many
+    # Overlapped: the first window's update is applied at the second close (step 3).
+    for step, ((kind, _), copied) in enumerate(zip(kinds, few, strict=True)):
+        applies = kind != "ordinary" and step >= 3
+        assert copied == ([torch.bfloat16] if applies else []), (step, kind)

@@ -25,7 +25,7 @@ from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.migration import EnteringRows, LeavingRows
 from zenflow.runtime.nonfinite import clip_coefficient
 from zenflow.runtime.owned_weight import OwnedWeight, QueuedReselection
-from zenflow.runtime.pending_update import UpdateEntry
+from zenflow.runtime.pending_update import CopyBuffers, UpdateEntry
 from zenflow.runtime.selective_step import (
     compiled_selective_adamw,
     selective_adamw_,
@@ -472,7 +472,7 @@ class Conductor:
                 handed = [w.staging.hand_over() for w in group_weights]
                 for w in group_weights:
                     w.state.host_steps += 1
-                copies = [w.new_copy_rows() for w in group_weights]
+                copies = CopyBuffers(group_weights)
                 handle = cpu_adam.submit_adamw_step(
                     [w.state.host_master for w in group_weights],
                     [_pool_rows(c, self.sync) for c in handed],
@@ -481,15 +481,17 @@ class Conductor:
                     steps=[w.state.host_steps for w in group_weights],
                     segment_len=[w.out for w in group_weights],
                     grad_scale=coefficient,
-                    out=copies,
+                    out=copies.rows,
                     **self._hyper(group_index),
                 )
                 self.jobs.collect(handle, "cpu_adam_s")
                 self.counters["blocking_updates"] += 1
                 _release(handed)
                 with torch.profiler.record_function("zenflow::write_unselected"):
-                    for w, copy in zip(group_weights, copies, strict=True):
-                        self.counters["h2d_bytes"] += UpdateEntry.of(w, copy, None, None).write()
+                    placed = copies.on_device()
+                    for w, copied, sent in zip(group_weights, copies.rows, placed, strict=True):
+                        entry = UpdateEntry.of(w, copied, None, None)
+                        self.counters["h2d_bytes"] += entry.write(sent)
         self.counters["cpu_updates"] += 1 if weights else 0
 
     @_traced("zenflow::window_sums")

@@ -118,14 +118,15 @@ class ColumnLayout:
             cached[name] = sent_to(parts[name], device)
         return cached[name]
 
-    def selected_ascending_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The selected columns on ``device`` sorted, and the device row of each (``sort()``'s
-        values and indices): what a write in column order takes every step on a GPU, made
+    def ascending_on(self, device: torch.device, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``on(device, name)`` ("selected" or "unselected") sorted, and the row of each
+        (``sort()``'s values and indices): what a write in column order takes on a GPU, made
         once per layout and device."""
         cached = self._on_device.setdefault(torch.device(device), {})
-        if "selected ascending" not in cached:
-            cached["selected ascending"] = tuple(self.on(device, "selected").sort())
-        return cached["selected ascending"]
+        key = f"{name} ascending"
+        if key not in cached:
+            cached[key] = tuple(self.on(device, name).sort())
+        return cached[key]
 
     def reselect(self, selected: torch.Tensor) -> "Migration":
         """The layout for a new selection (ascending column indices) and the moves from this

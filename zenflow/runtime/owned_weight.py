@@ -208,7 +208,8 @@ class OwnedWeight:
         even where the device is the CPU, like every count), else none."""
         device = self.param.device
         columns = self.layout.on(device, "selected")
-        ascending = None if device.type == "cpu" else self.layout.selected_ascending_on(device)
+        on_host = device.type == "cpu"
+        ascending = None if on_host else self.layout.ascending_on(device, "selected")
         if not self.offload:
             values = self.state.device_master.to(self.param.dtype)
             write_columns(self.param, columns, values, ascending)
@@ -217,34 +218,36 @@ class OwnedWeight:
         write_columns(self.param, columns, values, ascending)
         return values.numel() * values.element_size()
 
-    def new_copy_rows(self) -> torch.Tensor | None:
-        """A buffer for a CPU update to copy this rank's new unselected rows into, in the
-        parameter's dtype (a 16-bit one rounded by the job), so that neither a conversion nor a
-        copy of them is left to the training thread; pinned on a GPU, where the rows are sent
-        from there while the next update rewrites the host master. None for an fp32 parameter
-        elsewhere: it is written from the host master rows (on the CPU, where they are)."""
+    def copy_dtype(self) -> torch.dtype | None:
+        """The dtype a CPU update copies this rank's new unselected rows in, for them to be
+        written from the copy (``pending_update.CopyBuffers``): the parameter's (a 16-bit one
+        rounded by the job), so that neither a conversion nor a copy of them is left to the
+        training thread. None for an fp32 parameter off a GPU: it is written from the host
+        master rows (on the CPU, where they are)."""
         sixteen_bit = self.param.dtype in (torch.bfloat16, torch.float16)
-        if not (sixteen_bit or (self.pin and self.param.dtype == torch.float32)):
-            return None
-        rows = self.layout.host_columns.numel()
-        return torch.empty(rows, self.out, dtype=self.param.dtype, pin_memory=self.pin)
+        if sixteen_bit or (self.pin and self.param.dtype == torch.float32):
+            return self.param.dtype
+        return None
 
     def write_rows(
-        self, mine: torch.Tensor, copied: bool, columns: torch.Tensor, counts: list[int]
+        self,
+        mine: torch.Tensor,
+        copied: bool,
+        columns: torch.Tensor,
+        counts: list[int],
+        ascending: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> int:
         """Write every rank's updated rows into the parameter's ``columns`` (on its device, in
-        the order of the ranks' rows, ``counts[r]`` rows from rank ``r``); ``mine``: this
-        rank's rows, either a CPU update's copy of them in the parameter's dtype (``copied``),
-        sent as it is, or fp32 host master rows, converted here. Returns the bytes this rank
+        the order of the ranks' rows, ``counts[r]`` rows from rank ``r``; ``ascending``: their
+        ``sort()``, where the caller keeps it); ``mine``: this rank's rows, either a CPU
+        update's copy of them in the parameter's dtype (``copied``), already sent to the
+        device, or fp32 host master rows, sent and converted here. Returns the bytes this rank
         sent to its device."""
         # Each rank sends its own rows to its device and the ranks gather them there (over
         # NVLink, with NCCL), rather than gathering on the host and each sending them all.
-        if copied:
-            on_device, _ = copy_stream(self.param.device).copy_to_device(mine)
-        else:
-            on_device = self._to_device(mine, "unselected")
+        on_device = mine if copied else self._to_device(mine, "unselected")
         rows = self.comm.all_gather_rows(on_device, counts)
-        write_columns(self.param, columns, rows)
+        write_columns(self.param, columns, rows, ascending)
         return on_device.numel() * on_device.element_size()
 
     def _to_device(self, rows: torch.Tensor, purpose: str) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """A CPU update of unselected columns, submitted to the pool, and what applying it writes.
 
 Each entry carries what its write needs. The job copies a 16-bit parameter's rows (rounded) and
-a GPU's fp32 parameter's rows into a buffer of their own, which the entry keeps with the
-columns they belong to (every rank's, in row order) and how many rows each rank has, fixed when
-the update was submitted; if columns entered the selection since (the update was submitted at
+a GPU's fp32 parameter's rows into buffers of their own (``CopyBuffers``: one per device and
+dtype for all the update's weights, sent to the device in one copy each when the update is
+applied); the entry keeps its rows with the columns they belong to (every rank's, in row order)
+and how many rows each rank has, fixed when the update was submitted; if columns entered the selection since (the update was submitted at
 a select boundary), they are written again from their device state after it. An fp32
 parameter on the CPU is written from the host master rows the job updates, read where they are
 when the entry is written: after a select boundary, the host rows move once the job is done
@@ -19,6 +20,7 @@ from zenflow.runtime import cpu_adam
 from zenflow.runtime.layout import ColumnLayout
 from zenflow.runtime.owned_weight import OwnedWeight
 from zenflow.runtime.staging.contributions import HostRows
+from zenflow.runtime.streams import copy_stream
 
 
 @dataclass
@@ -48,30 +50,71 @@ class UpdateEntry:
         if self.last is not None and self.last.release is not None:
             self.last.release()
 
-    def write(self) -> int:
-        """Write the rows into the parameter (the job is done); returns the bytes sent to the
+    def write(self, copied_on_device: torch.Tensor | None = None) -> int:
+        """Write the rows into the parameter (the job is done): the job's copy, sent to the
+        device (``copied_on_device``), or the host master rows. Returns the bytes sent to the
         device."""
         w = self.weight
         w.state.settle()
+        device = w.param.device
         if self.copied is None:
             layout = w.layout
             rows = w.state.host_master[layout.k_local :]
-            columns = layout.on(w.param.device, "unselected")
+            columns = layout.on(device, "unselected")
             return w.write_rows(rows, False, columns, layout.unselected_counts)
-        columns = self.layout.on(w.param.device, "unselected")
-        sent = w.write_rows(self.copied, True, columns, self.layout.unselected_counts)
+        layout = self.layout
+        columns = layout.on(device, "unselected")
+        ascending = None if device.type == "cpu" else layout.ascending_on(device, "unselected")
+        counts = layout.unselected_counts
+        sent = w.write_rows(copied_on_device, True, columns, counts, ascending)
         if w.layout is not self.layout:
             sent += w.write_selected()
         return sent
 
 
+class CopyBuffers:
+    """Where a CPU update copies its weights' new rows (in ``OwnedWeight.copy_dtype``): one
+    buffer per device and dtype (pinned on a GPU), each weight's rows (``rows``, None where
+    the weight takes no copy) a view of it, so that they cross to the device in one copy per
+    buffer. Owns the buffers."""
+
+    def __init__(self, weights: list[OwnedWeight]):
+        self.rows: list[torch.Tensor | None] = [None] * len(weights)
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, w in enumerate(weights):
+            dtype = w.copy_dtype()
+            if dtype is not None:
+                groups.setdefault((w.param.device, dtype), []).append(i)
+        self._buffers = []  # (device, buffer, members, each member's shape)
+        for (device, dtype), members in groups.items():
+            shapes = [(weights[i].layout.host_columns.numel(), weights[i].out) for i in members]
+            sizes = [rows * out for rows, out in shapes]
+            pin = device.type == "cuda"
+            buffer = torch.empty(sum(sizes), dtype=dtype, pin_memory=pin)
+            for i, part, shape in zip(members, buffer.split(sizes), shapes, strict=True):
+                self.rows[i] = part.view(shape)
+            self._buffers.append((device, buffer, members, shapes))
+
+    def on_device(self) -> list[torch.Tensor | None]:
+        """Every weight's copied rows on its device (the job is done), one copy per buffer,
+        on the copy stream."""
+        placed: list[torch.Tensor | None] = [None] * len(self.rows)
+        for device, buffer, members, shapes in self._buffers:
+            sent, _ = copy_stream(device).copy_to_device(buffer)
+            sizes = [rows * out for rows, out in shapes]
+            for i, part, shape in zip(members, sent.split(sizes), shapes, strict=True):
+                placed[i] = part.view(shape)
+        return placed
+
+
 @dataclass
 class PendingUpdate:
-    """A submitted CPU update (``handle``; None: finished before a checkpoint was loaded) and
-    its entries, one per weight."""
+    """A submitted CPU update (``handle``; None: finished before a checkpoint was loaded), its
+    entries, one per weight, and the buffers its rows were copied into."""
 
     handle: cpu_adam.CPUAdamHandle | None
     entries: list[UpdateEntry]
+    copies: CopyBuffers | None = None  # what the job copied the entries' rows into
 
     @property
     def weights(self) -> list[OwnedWeight]:

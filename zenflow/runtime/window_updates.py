@@ -17,7 +17,7 @@ from zenflow.runtime import cpu_adam
 from zenflow.runtime.cpu_jobs import CPUJobs
 from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.owned_weight import OwnedWeight
-from zenflow.runtime.pending_update import PendingUpdate, UpdateEntry
+from zenflow.runtime.pending_update import CopyBuffers, PendingUpdate, UpdateEntry
 from zenflow.runtime.window_sum import SumShipment
 
 
@@ -40,9 +40,9 @@ class WindowUpdates:
         """Queue the update of one param group's ``weights`` (``hyper``: its AdamW settings,
         the learning rate already scaled for the window)."""
         entries, sums, lasts = [], [], []
-        for w in weights:
+        copies = CopyBuffers(weights)
+        for w, copied in zip(weights, copies.rows, strict=True):
             w.state.host_steps[w.layout.k_local :] += 1
-            copied = w.new_copy_rows()
             if w.device_sums:
                 entries.append(UpdateEntry.of(w, copied, None, None))
             else:
@@ -54,11 +54,11 @@ class WindowUpdates:
                 entries.append(UpdateEntry.of(w, copied, window_sum, last))
         if weights[0].device_sums:
             shipment = self._shipments.setdefault(weights[0].group_index, SumShipment())
-            copies, sums = shipment.ship(
+            shipping, sums = shipment.ship(
                 [w.window for w in weights], [w.param.dtype for w in weights]
             )
             # The pool reads the shipped sums: every copy must have landed (they land in order).
-            for pending in copies:
+            for pending in shipping:
                 shipped = pending.wait(self.sync)
                 self.counters["d2h_bytes"] += shipped.numel() * shipped.element_size()
         unselected = [w.state.unselected(w.layout) for w in weights]
@@ -68,7 +68,7 @@ class WindowUpdates:
         common = dict(
             steps=steps,
             segment_len=[w.out for w in weights],
-            out=[entry.copied for entry in entries],
+            out=copies.rows,
             **hyper,
         )
         if weights[0].device_sums:
@@ -79,7 +79,7 @@ class WindowUpdates:
             handle = cpu_adam.submit_boundary_adamw_step(
                 masters, sums, lasts, exp_avgs, exp_avg_sqs, n=window_steps, **common
             )
-        update = PendingUpdate(handle, entries)
+        update = PendingUpdate(handle, entries, copies)
         if background:
             self.pending.append(update)
         return update
@@ -91,13 +91,17 @@ class WindowUpdates:
             if update.handle is not None:
                 self.jobs.collect(update.handle, "cpu_adam_s")
             skipped = {id(w) for w in rewritten}
+            writing = any(id(w) not in skipped for w in update.weights)
+            placed = [None] * len(update.entries)
+            if writing and update.copies is not None:
+                placed = update.copies.on_device()
             with torch.profiler.record_function("zenflow::write_unselected"):
-                for entry in update.entries:
+                for entry, copied in zip(update.entries, placed, strict=True):
                     entry.release()
                     if id(entry.weight) in skipped:
                         entry.weight.state.settle()
                     else:
-                        self.counters["h2d_bytes"] += entry.write()
+                        self.counters["h2d_bytes"] += entry.write(copied)
 
     def apply_pending(self, rewritten=()) -> None:
         for update in self.pending:
