@@ -31,6 +31,7 @@ from zenflow.runtime.selective_step import (
     selective_adamw_,
     step_backend_for,
 )
+from zenflow.runtime.side_by_side import indices_by
 from zenflow.runtime.staging.contributions import DeviceRows, Factors, HostRows, as_tensor
 from zenflow.runtime.streams import copy_stream
 from zenflow.runtime.vector_state import VectorState
@@ -705,19 +706,16 @@ def _mixed_scales() -> RuntimeError:
 def _totals_by_device(parts: list[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
     """The sum of the 0-d ``parts`` on each device (one stack and one sum per device, not an
     addition per part)."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for part in parts:
-        by_device.setdefault(part.device, []).append(part)
-    return {device: torch.stack(same).sum() for device, same in by_device.items()}
+    return {
+        device: torch.stack([parts[i] for i in members]).sum()
+        for device, members in indices_by(part.device for part in parts).items()
+    }
 
 
 def _squared_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each tensor's squared L2 norm in fp64: one multi-tensor norm per device and dtype."""
-    groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
     squared: list[torch.Tensor | None] = [None] * len(tensors)
-    for members in groups.values():
+    for members in indices_by((t.device, t.dtype) for t in tensors).values():
         norms = torch._foreach_norm([tensors[i] for i in members], 2, dtype=torch.float64)
         for i, norm in zip(members, torch._foreach_mul(norms, norms), strict=True):
             squared[i] = norm

@@ -118,10 +118,14 @@ class ColumnLayout:
             cached[name] = sent_to(parts[name], device)
         return cached[name]
 
-    def ascending_on(self, device: torch.device, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def ascending_on(
+        self, device: torch.device, name: str
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``on(device, name)`` ("selected" or "unselected") sorted, and the row of each
         (``sort()``'s values and indices): what a write in column order takes on a GPU, made
-        once per layout and device."""
+        once per layout and device; None on the CPU, whose writes take any order."""
+        if torch.device(device).type == "cpu":
+            return None
         cached = self._on_device.setdefault(torch.device(device), {})
         key = f"{name} ascending"
         if key not in cached:

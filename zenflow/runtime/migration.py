@@ -13,6 +13,7 @@ import torch
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.layout import Migration
+from zenflow.runtime.side_by_side import elements, views
 from zenflow.runtime.streams import PendingCopy, copy_stream, sent_to
 
 
@@ -81,13 +82,12 @@ class EnteringRows:
                 by_dtype.setdefault(host.dtype, []).append(i)
         for host_dtype, members in by_dtype.items():
             shapes = [self._shape(i) for i in members]
-            sizes = [math.prod(shape) for shape in shapes]
-            flat = torch.empty(sum(sizes), dtype=host_dtype, pin_memory=self.pin)
-            for i, part, shape in zip(members, flat.split(sizes), shapes, strict=True):
-                self._gather(i, part.view(shape))
+            flat = torch.empty(elements(shapes), dtype=host_dtype, pin_memory=self.pin)
+            for i, part in zip(members, views(flat, shapes), strict=True):
+                self._gather(i, part)
             on_device = self.comm.all_reduce_sum_(flat.to(self.device, non_blocking=True))
-            for i, part, shape in zip(members, on_device.split(sizes), shapes, strict=True):
-                sent[i] = part.view(shape).to(self._queued[i][3])
+            for i, part in zip(members, views(on_device, shapes), strict=True):
+                sent[i] = part.to(self._queued[i][3])
         self._queued = []
         return sent
 

@@ -208,8 +208,7 @@ class OwnedWeight:
         even where the device is the CPU, like every count), else none."""
         device = self.param.device
         columns = self.layout.on(device, "selected")
-        on_host = device.type == "cpu"
-        ascending = None if on_host else self.layout.ascending_on(device, "selected")
+        ascending = self.layout.ascending_on(device, "selected")
         if not self.offload:
             values = self.state.device_master.to(self.param.dtype)
             write_columns(self.param, columns, values, ascending)

@@ -4,12 +4,12 @@ Each entry carries what its write needs. The job copies a 16-bit parameter's row
 a GPU's fp32 parameter's rows into buffers of their own (``CopyBuffers``: one per device and
 dtype for all the update's weights, sent to the device in one copy each when the update is
 applied); the entry keeps its rows with the columns they belong to (every rank's, in row order)
-and how many rows each rank has, fixed when the update was submitted; if columns entered the selection since (the update was submitted at
-a select boundary), they are written again from their device state after it. An fp32
-parameter on the CPU is written from the host master rows the job updates, read where they are
-when the entry is written: after a select boundary, the host rows move once the job is done
-(``ColumnState.settle``), and the columns that left the selection then hold, in their host
-rows, the values their parameter columns already have.
+and how many rows each rank has, fixed when the update was submitted; if columns entered the
+selection since (the update was submitted at a select boundary), they are written again from
+their device state after it. An fp32 parameter on the CPU is written from the host master rows
+the job updates, read where they are when the entry is written: after a select boundary, the
+host rows move once the job is done (``ColumnState.settle``), and the columns that left the
+selection then hold, in their host rows, the values their parameter columns already have.
 """
 
 from dataclasses import dataclass
@@ -19,6 +19,7 @@ import torch
 from zenflow.runtime import cpu_adam
 from zenflow.runtime.layout import ColumnLayout
 from zenflow.runtime.owned_weight import OwnedWeight
+from zenflow.runtime.side_by_side import elements, indices_by, views
 from zenflow.runtime.staging.contributions import HostRows
 from zenflow.runtime.streams import copy_stream
 
@@ -64,7 +65,7 @@ class UpdateEntry:
             return w.write_rows(rows, False, columns, layout.unselected_counts)
         layout = self.layout
         columns = layout.on(device, "unselected")
-        ascending = None if device.type == "cpu" else layout.ascending_on(device, "unselected")
+        ascending = layout.ascending_on(device, "unselected")
         counts = layout.unselected_counts
         sent = w.write_rows(copied_on_device, True, columns, counts, ascending)
         if w.layout is not self.layout:
@@ -80,19 +81,16 @@ class CopyBuffers:
 
     def __init__(self, weights: list[OwnedWeight]):
         self.rows: list[torch.Tensor | None] = [None] * len(weights)
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, w in enumerate(weights):
-            dtype = w.copy_dtype()
-            if dtype is not None:
-                groups.setdefault((w.param.device, dtype), []).append(i)
+        keys = [(w.param.device, w.copy_dtype()) for w in weights]
         self._buffers = []  # (device, buffer, members, each member's shape)
-        for (device, dtype), members in groups.items():
+        for (device, dtype), members in indices_by(keys).items():
+            if dtype is None:
+                continue
             shapes = [(weights[i].layout.host_columns.numel(), weights[i].out) for i in members]
-            sizes = [rows * out for rows, out in shapes]
             pin = device.type == "cuda"
-            buffer = torch.empty(sum(sizes), dtype=dtype, pin_memory=pin)
-            for i, part, shape in zip(members, buffer.split(sizes), shapes, strict=True):
-                self.rows[i] = part.view(shape)
+            buffer = torch.empty(elements(shapes), dtype=dtype, pin_memory=pin)
+            for i, part in zip(members, views(buffer, shapes), strict=True):
+                self.rows[i] = part
             self._buffers.append((device, buffer, members, shapes))
 
     def on_device(self) -> list[torch.Tensor | None]:
@@ -101,9 +99,8 @@ class CopyBuffers:
         placed: list[torch.Tensor | None] = [None] * len(self.rows)
         for device, buffer, members, shapes in self._buffers:
             sent, _ = copy_stream(device).copy_to_device(buffer)
-            sizes = [rows * out for rows, out in shapes]
-            for i, part, shape in zip(members, sent.split(sizes), shapes, strict=True):
-                placed[i] = part.view(shape)
+            for i, part in zip(members, views(sent, shapes), strict=True):
+                placed[i] = part
         return placed
 
 

@@ -24,6 +24,7 @@ import torch
 from zenflow.runtime.cpu_adam import GatheredRows
 from zenflow.runtime.layout import Migration
 from zenflow.runtime.migration import EnteringRows
+from zenflow.runtime.side_by_side import elements, indices_by, views
 from zenflow.runtime.staging.contributions import Contribution, Factors, HostRows, as_tensor
 from zenflow.runtime.streams import PendingCopy, copy_stream
 
@@ -170,19 +171,13 @@ class SumShipment:
         """Every window's sum in its dtype (``dtypes[i]``) on its way to the host: the copies
         (the host reads the sums once they have landed) and each sum's host rows. The device
         sums start the next window at zero."""
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, (window, dtype) in enumerate(zip(windows, dtypes, strict=True)):
-            groups.setdefault((window.device, dtype), []).append(i)
+        keys = [(window.device, dtype) for window, dtype in zip(windows, dtypes, strict=True)]
         copies, shipped = [], [None] * len(windows)
-        for (device, dtype), members in groups.items():
+        for (device, dtype), members in indices_by(keys).items():
             sums = [windows[i].sum for i in members]
-            sizes = [total.numel() for total in sums]
-            side_by_side = torch.empty(sum(sizes), dtype=dtype, device=device)
-            parts = [
-                part.view(total.shape)
-                for part, total in zip(side_by_side.split(sizes), sums, strict=True)
-            ]
-            torch._foreach_copy_(parts, sums)
+            shapes = [total.shape for total in sums]
+            side_by_side = torch.empty(elements(shapes), dtype=dtype, device=device)
+            torch._foreach_copy_(views(side_by_side, shapes), sums)
             host = self._host.get((device, dtype))
             if host is None or host.numel() != side_by_side.numel():
                 pin = device.type == "cuda"
@@ -190,8 +185,8 @@ class SumShipment:
                 self._host[(device, dtype)] = host
             stream = copy_stream(device)
             copies.append(stream.copy_to_host(side_by_side, out=host, owned=True))
-            for i, part, total in zip(members, host.split(sizes), sums, strict=True):
-                shipped[i] = part.view(total.shape)
+            for i, part in zip(members, views(host, shapes), strict=True):
+                shipped[i] = part
             torch._foreach_zero_(sums)
             for i in members:
                 windows[i].open = False
