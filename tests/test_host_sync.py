@@ -122,11 +122,9 @@ def test_a_step_synchronizes_within_its_budget_whatever_the_number_of_weights(st
     assert over == [], f"steps over budget {BUDGETS}: {over}"
 
 
-def test_a_reselection_sends_its_rows_to_the_host_in_one_copy_per_dtype(monkeypatch):
-    """A step that reselects copies the leaving columns' rows of every weight to the host
-    together, on the copy stream (its CPU twin here), one copy per dtype (fp32 values and
-    moments, int64 step counts), for 6 weights as for 24; other steps none (staging in host
-    blocks copies nothing). The first selection, once a run, is left out: no column leaves."""
+@pytest.fixture
+def copies_to_host(monkeypatch):
+    """Records the dtype of every copy to the host in ``issued_copies``."""
     copy_to_host = CopyStream.copy_to_host
 
     def recording(self, source, out=None, owned=False):
@@ -134,6 +132,13 @@ def test_a_reselection_sends_its_rows_to_the_host_in_one_copy_per_dtype(monkeypa
         return copy_to_host(self, source, out=out, owned=owned)
 
     monkeypatch.setattr(CopyStream, "copy_to_host", recording)
+
+
+def test_a_reselection_sends_its_rows_to_the_host_in_one_copy_per_dtype(copies_to_host):
+    """A step that reselects copies the leaving columns' rows of every weight to the host
+    together, on the copy stream (its CPU twin here), one copy per dtype (fp32 values and
+    moments, int64 step counts), for 6 weights as for 24; other steps none (staging in host
+    blocks copies nothing). The first selection, once a run, is left out: no column leaves."""
     few, many = [], []
     kinds = syncs_by_step(6, copy_stream=False, copies=few)
     syncs_by_step(24, copy_stream=False, copies=many)
@@ -142,17 +147,10 @@ def test_a_reselection_sends_its_rows_to_the_host_in_one_copy_per_dtype(monkeypa
         assert sorted(copied, key=str) == ([torch.float32, torch.int64] if kind == "select" else [])
 
 
-def test_a_window_close_ships_every_device_side_sum_in_one_copy(monkeypatch):
+def test_a_window_close_ships_every_device_side_sum_in_one_copy(copies_to_host):
     """Device-side sums: a step that closes a window sends every weight's sum (in the
     parameter's dtype) to the host side by side, in one copy, for 6 weights as for 24; a
     select boundary adds the leaving rows' copies (fp32 values and moments, int64 steps)."""
-    copy_to_host = CopyStream.copy_to_host
-
-    def recording(self, source, out=None, owned=False):
-        issued_copies.append(source.dtype)
-        return copy_to_host(self, source, out=out, owned=owned)
-
-    monkeypatch.setattr(CopyStream, "copy_to_host", recording)
     few, many = [], []
     kinds = syncs_by_step(6, copy_stream=False, copies=few, accumulate_on_device=True)
     syncs_by_step(24, copy_stream=False, copies=many, accumulate_on_device=True)
