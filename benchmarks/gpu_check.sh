@@ -147,8 +147,8 @@ c._load(); sys.exit(not zenflow.__file__.startswith(sys.argv[1]))' "$ROOT"; then
     local links=(--no-index)
     [[ -d "$WHEELS" ]] && links+=(--find-links "$WHEELS")
     # --no-build-isolation builds with the machine's setuptools: make sure it is new enough.
-    "$PYTHON" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 69)' ||
-        "$PYTHON" -m pip install "${links[@]}" "setuptools>=69" wheel
+    "$PYTHON" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' ||
+        "$PYTHON" -m pip install "${links[@]}" "setuptools>=77" wheel
     if ! "$PYTHON" -m pip install "${links[@]}" --no-build-isolation -e .; then
         echo "!! zenflow with its dependencies did not install; again without them (no deepspeed)"
         "$PYTHON" -m pip install --no-index --no-build-isolation --no-deps -e .
