@@ -1,6 +1,7 @@
 """The operations the training thread dispatches per weight and step: what keeps a GPU waiting.
 
     .venv/bin/python benchmarks/bench_host_ops.py [--quick] [--layers 96] [--dtype both]
+        [--cycles 16]
 
 On a GPU every operation the host dispatches is a kernel launch (or at least a trip through
 the dispatcher), a few microseconds each: a model of many small weights, or one whose step is
@@ -23,11 +24,22 @@ Every model's backward runs through the same eager graph (zenflow: backend "zenf
 what zenflow adds. "mean" is over the whole select cycle (window-closing and reselecting steps
 included). DeepSpeed's rows are not here: its engine needs torch.distributed and its offload
 step runs on the host by design (bench_step.py times it).
+
+Then the same models timed: host microseconds per layer of the backward and of each kind of
+step, and the mean whole step over ``--cycles`` select cycles (forward, backward, step). The
+layers are so small that their arithmetic is nothing: what is timed is the host's dispatching
+and Python, which on a GPU is the floor under the step while the device waits. The garbage
+collector runs, as in training, and its passes are counted: a compiled model leaves several
+hundred thousand Python objects that each full pass walks (a quarter of a second here), and
+every step that keeps many new objects alive at once sets passes off. Times vary with the
+machine and what else runs on it; ratios within one run are the comparable figures.
 """
 
 import argparse
 import collections
+import gc
 import statistics
+import time
 
 import torch
 
@@ -69,8 +81,10 @@ def _args(argv=None):
     parser.add_argument("--quick", action="store_true", help="8 layers, fp32 only (smoke)")
     parser.add_argument("--layers", type=int, default=None, help="Linear(64, 64) layers (96)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "both"), default=None)
+    parser.add_argument("--cycles", type=int, default=None, help="timed select cycles (16)")
     args = parser.parse_args(argv)
     args.layers = args.layers or (8 if args.quick else 96)
+    args.cycles = args.cycles or (2 if args.quick else 16)
     args.dtype = args.dtype or ("fp32" if args.quick else "both")
     return args
 
@@ -104,7 +118,8 @@ def _copies(event, children) -> bool:
     return any(c.name in COPIES or _copies(c, children) for c in children[id(event)])
 
 
-def _row(name: str, layers: int, dtype: torch.dtype):
+def _training(name: str, layers: int, dtype: torch.dtype):
+    """The row's compiled model, optimizer and batch."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(layers))).to(dtype)
     if name.startswith("zenflow"):
@@ -120,7 +135,11 @@ def _row(name: str, layers: int, dtype: torch.dtype):
         variant = dict(fused=True) if name.endswith("fused") else dict(foreach=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **variant)
         compiled = torch.compile(model, backend="aot_eager")
-    x = torch.randn(8, 64, dtype=dtype)
+    return compiled, opt, torch.randn(8, 64, dtype=dtype)
+
+
+def _row(name: str, layers: int, dtype: torch.dtype):
+    compiled, opt, x = _training(name, layers, dtype)
     activities = [torch.profiler.ProfilerActivity.CPU]
 
     def step(profiled: bool):
@@ -140,6 +159,81 @@ def _row(name: str, layers: int, dtype: torch.dtype):
     for _ in range(3 * CYCLE):  # warm-up, the first selection, one whole select cycle
         step(False)
     return [step(True) for _ in range(CYCLE)]
+
+
+class _Collections:
+    """Counts the garbage collector's passes, young (generations 0 and 1) and full."""
+
+    def __init__(self):
+        self.young = self.full = 0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            if info["generation"] == 2:
+                self.full += 1
+            else:
+                self.young += 1
+
+
+def _timed_row(name: str, layers: int, dtype: torch.dtype, cycles: int) -> dict:
+    """Host milliseconds of each step's backward and of ``step()`` + ``zero_grad()`` (median
+    per kind of step), the mean whole step (forward included) over ``cycles`` select cycles,
+    with the garbage collector on as in training, and its passes per 100 steps."""
+    compiled, opt, x = _training(name, layers, dtype)
+
+    def step() -> tuple[float, float, float]:
+        started = time.perf_counter()
+        loss = compiled(x).float().square().mean()
+        forward = time.perf_counter()
+        loss.backward()
+        backward = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        stepped = time.perf_counter()
+        return backward - forward, stepped - backward, stepped - started
+
+    for _ in range(3 * CYCLE):
+        step()
+    gc.collect()
+    collections_ = _Collections()
+    gc.callbacks.append(collections_)
+    try:
+        times = [step() for _ in range(cycles * CYCLE)]
+    finally:
+        gc.callbacks.remove(collections_)
+    by_kind = [[times[c * CYCLE + i][1] for c in range(cycles)] for i in range(CYCLE)]
+    steps = len(times)
+    return dict(
+        backward=statistics.median(t[0] for t in times) * 1e3,
+        ordinary=statistics.mean(statistics.median(by_kind[i]) for i in (0, 1, 2, 4, 5, 6)) * 1e3,
+        window=statistics.median(by_kind[3]) * 1e3,
+        select=statistics.median(by_kind[7]) * 1e3,
+        mean=statistics.mean(t[2] for t in times) * 1e3,
+        young=100 * collections_.young / steps,
+        full=100 * collections_.full / steps,
+    )
+
+
+def _print_times(layers: int, dtype: torch.dtype, cycles: int, rows: tuple[str, ...]) -> None:
+    print(
+        f"\n## {str(dtype).removeprefix('torch.')}: host time per layer (us), {cycles} select "
+        "cycles, garbage collector on"
+    )
+    header = (
+        f"{'row':22s}{'backward':>10s}{'ordinary':>10s}{'window':>10s}{'select':>10s}"
+        f"{'mean step':>11s}{'vs foreach':>12s}{'gc per 100 steps':>18s}"
+    )
+    print(header + "\n" + "-" * len(header))
+    timed = {name: _timed_row(name, layers, dtype, cycles) for name in rows}
+    reference = timed["torch adamw foreach"]["mean"]
+    per_layer = 1e3 / layers
+    for name, t in timed.items():
+        print(
+            f"{name:22s}{t['backward'] * per_layer:10.1f}{t['ordinary'] * per_layer:10.1f}"
+            f"{t['window'] * per_layer:10.1f}{t['select'] * per_layer:10.1f}"
+            f"{t['mean'] * per_layer:11.1f}{t['mean'] / reference:11.2f}x"
+            f"{t['young']:9.0f} young{t['full']:4.1f} full"
+        )
 
 
 def main(argv=None) -> None:
@@ -178,6 +272,16 @@ def main(argv=None) -> None:
     print(
         "\nordinary: a step inside a window; window: one closing a window; select: a select "
         "boundary. Step columns count step() + zero_grad()."
+    )
+    timed_rows = ("zenflow device sums", "zenflow host sums", "torch adamw foreach")
+    for dtype in dtypes:
+        _print_times(args.layers, dtype, args.cycles, timed_rows)
+    print(
+        "\nbackward, ordinary, window, select: medians over the cycles; mean step: forward, "
+        "backward and step over whole select cycles, the garbage collector's passes included; "
+        "vs foreach: the mean step over torch foreach AdamW's. young: collections of "
+        "generations 0 and 1; full: of every object the process tracks (a compiled model's "
+        "many: a fraction of a second each)."
     )
 
 

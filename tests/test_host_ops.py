@@ -59,9 +59,14 @@ def working_ops(prof) -> list[str]:
     return ops
 
 
-def ordinary_step_ops(layers: int, device_sums: bool) -> list[str]:
+def training(layers: int, device_sums: bool | None):
+    """A model of ``layers`` Linear(32, 32) compiled with zenflow and its ZenFlowAdamW, or with
+    ``device_sums`` None, compiled with aot_eager (the same eager backward) and torch's AdamW."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(layers)))
+    if device_sums is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        return torch.compile(model, backend="aot_eager"), opt
     opt = zenflow.ZenFlowAdamW(
         model.parameters(),
         lr=1e-3,
@@ -72,33 +77,64 @@ def ordinary_step_ops(layers: int, device_sums: bool) -> list[str]:
         accumulate_on_device=device_sums,
         step_backend="eager",
     )
-    compiled = torch.compile(model, backend="zenflow", options={"inner": "eager"})
-    x = torch.randn(4, 32)
+    return torch.compile(model, backend="zenflow", options={"inner": "eager"}), opt
+
+
+def ops_inside_a_window(layers: int, device_sums: bool | None, counted_part: str) -> list[str]:
+    """The working operations of the backward or of ``step()`` + ``zero_grad()``, alike on
+    every step inside a window (after the first, which makes the new selection's indices)."""
+    compiled, opt = training(layers, device_sums)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    activities = [torch.profiler.ProfilerActivity.CPU]
     counted = []
     for i in range(8):
-        compiled(x).square().mean().backward()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss = compiled(x).square().mean()
+        with torch.profiler.profile(activities=activities) as backward:
+            loss.backward()
+        with torch.profiler.profile(activities=activities) as stepped:
             opt.step()
             opt.zero_grad()
-        if i in INSIDE_A_WINDOW:
-            counted.append(working_ops(prof))
+        if i in INSIDE_A_WINDOW[1:]:
+            counted.append(working_ops(backward if counted_part == "backward" else stepped))
     assert all(ops == counted[0] for ops in counted), "steps of one kind dispatch alike"
     return counted[0]
 
 
+def per_extra_layer(device_sums: bool | None, counted_part: str) -> dict[str, float]:
+    few, many = (
+        collections.Counter(ops_inside_a_window(n, device_sums, counted_part)) for n in (4, 10)
+    )
+    return {op: (many[op] - few[op]) / 6 for op in many | few if many[op] != few[op]}
+
+
 @pytest.mark.parametrize("device_sums", [True, False], ids=["device-sums", "host-sums"])
 def test_an_ordinary_step_dispatches_a_few_operations_per_weight(device_sums):
-    """Per extra layer: the weight's norm (a sum of its scores) and the write of its selected
-    columns; the 1-D parameters and the device-side sums go through multi-tensor operations
-    (one for every weight), and with host-side sums the small batch's factors add three
-    products. Before: an addition per weight and per bias into the norm, a norm and a power
-    per bias, a copy per bias, an add per device-side sum."""
-    few, many = (collections.Counter(ordinary_step_ops(n, device_sums)) for n in (4, 10))
-    per_layer = {op: (many[op] - few[op]) / 6 for op in many | few if many[op] != few[op]}
-    expected = {"aten::sum": 1.0, "aten::index_copy_": 1.0}
+    """Per extra layer: the write of its selected columns, and with host-side sums the weight's
+    norm (a sum of its scores); the 1-D parameters, the device-side sums and their norms go
+    through multi-tensor operations (one for every weight), and with host-side sums the small
+    batch's factors add three products. Before: an addition per weight and per bias into the
+    norm, a norm and a power per bias, a copy per bias, an add per device-side sum, a sum of
+    each device-side staged weight's scores."""
+    per_layer = per_extra_layer(device_sums, "step")
+    expected = {"aten::index_copy_": 1.0}
     if not device_sums:
         # Factors (batch 4 against 32 columns): the norm from x x^T and dy dy^T, the selected
         # rows from their product, the batch's columns gathered for it.
         expected |= {"aten::matmul": 3.0, "aten::mul": 1.0, "aten::index_select": 1.0}
-        expected["aten::to"] = 2.0
+        expected |= {"aten::sum": 1.0, "aten::to": 2.0}
     assert per_layer == expected
+
+
+def test_a_backward_with_device_side_sums_adds_one_gather_per_weight():
+    """Against the same model's eager backward for torch's AdamW: the rows formed in the
+    selection's order (a gather of the batch's columns) and nothing else. The columns' scores
+    are taken at the step, for every weight together, and only where a selection or the "auto"
+    rule reads them. Before: a norm and a power per weight as well."""
+    zenflow_ops = per_extra_layer(True, "backward")
+    torch_ops = per_extra_layer(None, "backward")
+    added = {
+        op: zenflow_ops.get(op, 0.0) - torch_ops.get(op, 0.0)
+        for op in zenflow_ops | torch_ops
+        if zenflow_ops.get(op, 0.0) != torch_ops.get(op, 0.0)
+    }
+    assert added == {"aten::index_select": 1.0}

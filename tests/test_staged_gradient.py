@@ -22,12 +22,13 @@ def compiled_mlp(**settings):
     return model, opt, torch.compile(model, backend="zenflow", options={"inner": "eager"})
 
 
+@pytest.mark.parametrize("device_sums", [False, True], ids=["host-sums", "device-sums"])
 @pytest.mark.parametrize("foreach", [None, True, False])
-def test_torch_clip_grad_norm_equals_the_oracle_clipped_by_torch(foreach):
+def test_torch_clip_grad_norm_equals_the_oracle_clipped_by_torch(foreach, device_sums):
     """The oracle keeps ordinary ``.grad``s, which torch clips itself."""
     oracle_model = build("mlp")
     oracle = ReferenceZenFlowAdamW(oracle_model.parameters(), lr=1e-2, **SCHEDULE)
-    model, opt, compiled = compiled_mlp()
+    model, opt, compiled = compiled_mlp(accumulate_on_device=device_sums)
     for inputs, targets in batches("mlp", 6):
         norms = []
         for m, o in ((oracle_model, oracle), (compiled, opt)):

@@ -27,11 +27,13 @@ from zenflow.runtime.nonfinite import clip_coefficient
 from zenflow.runtime.owned_weight import OwnedWeight, QueuedReselection
 from zenflow.runtime.pending_update import CopyBuffers, UpdateEntry
 from zenflow.runtime.selective_step import (
+    RowConstants,
     compiled_selective_adamw,
     selective_adamw_,
     step_backend_for,
 )
 from zenflow.runtime.side_by_side import indices_by
+from zenflow.runtime.staging.base import squared_norm_totals
 from zenflow.runtime.staging.contributions import DeviceRows, Factors, HostRows, as_tensor
 from zenflow.runtime.streams import copy_stream
 from zenflow.runtime.vector_state import VectorState
@@ -139,6 +141,8 @@ class Conductor:
         self._energy_terms: dict[OwnedWeight, list[float]] = {}
         # (what, param group, device) -> the 0-d lr or clip coefficient of the device update.
         self._scalars: dict[tuple, torch.Tensor] = {}
+        # (param group, device) -> the rows' constants of its device update.
+        self._row_constants: dict[tuple, RowConstants] = {}
 
     @property
     def step_backend(self) -> str:
@@ -184,10 +188,13 @@ class Conductor:
             # Summed where the parts are (each device's, then the host's): one number per
             # device, not one per weight; the owned weights' apart, as ``scales`` apply to them.
             self._scores = {}
-            owned_totals = _totals_by_device([w.gradient_norm_sq() for w in owned])
+            by_weight = [(w, w.gradient_norm_parts()) for w in owned]
+            parts = [t for _, weight_parts in by_weight for t in weight_parts or ()]
+            alone = [w.gradient_norm_sq() for w, weight_parts in by_weight if weight_parts is None]
+            owned_totals = _totals_by_device(squared_norm_totals(parts) + alone)
             self._before_norms()
             grads = [v.param.grad for v in self.vectors if v.param.grad is not None]
-            vector_totals = _totals_by_device(_squared_norms(grads))
+            vector_totals = _totals_by_device(squared_norm_totals(grads))
             # The one synchronization of an ordinary step: the rows still on their way to the
             # host land by the time the norm is known, and update_interval "auto" reads the
             # selected rows' energy with it, and the terms of the device-side sums' energy.
@@ -434,6 +441,10 @@ class Conductor:
         for (group_index, device, coefficient), (rows, vecs) in calls.items():
             hyper = self._hyper(group_index)
             role = "owned" if rows else "vectors"
+            # A unit coefficient (no clipping) leaves the gradients as they are.
+            scale = None
+            if coefficient != 1.0:
+                scale = self._device_scalar(role, group_index, device, coefficient)
             self._device_step(
                 [w.state.device_master for w in rows] + [v.master for v in vecs],
                 [w.state.device_exp_avg for w in rows] + [v.exp_avg for v in vecs],
@@ -442,16 +453,23 @@ class Conductor:
                 [w.staging.selected_rows() for w in rows]
                 + [v.param.grad.float().reshape(1, -1) for v in vecs],
                 self._device_scalar("lr", group_index, device, hyper["lr"]),
-                self._device_scalar(role, group_index, device, coefficient),
+                scale,
                 hyper["beta1"],
                 hyper["beta2"],
                 hyper["eps"],
                 hyper["weight_decay"],
                 [None] * len(rows) + [v.param.data.view(1, -1) for v in vecs],
+                self._constants_of(group_index, device),
             )
             with torch.profiler.record_function("zenflow::write_selected"):
                 for w in rows:
                     self.counters["h2d_bytes"] += w.write_selected()
+
+    def _constants_of(self, group_index: int, device: torch.device) -> RowConstants:
+        constants = self._row_constants.get((group_index, device))
+        if constants is None:
+            constants = self._row_constants[(group_index, device)] = RowConstants()
+        return constants
 
     def _device_scalar(
         self, what: str, group_index: int, device: torch.device, value: float
@@ -710,16 +728,6 @@ def _totals_by_device(parts: list[torch.Tensor]) -> dict[torch.device, torch.Ten
         device: torch.stack([parts[i] for i in members]).sum()
         for device, members in indices_by(part.device for part in parts).items()
     }
-
-
-def _squared_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor's squared L2 norm in fp64: one multi-tensor norm per device and dtype."""
-    squared: list[torch.Tensor | None] = [None] * len(tensors)
-    for members in indices_by((t.device, t.dtype) for t in tensors).values():
-        norms = torch._foreach_norm([tensors[i] for i in members], 2, dtype=torch.float64)
-        for i, norm in zip(members, torch._foreach_mul(norms, norms), strict=True):
-            squared[i] = norm
-    return squared
 
 
 def _window_rows(w: OwnedWeight) -> int:

@@ -77,7 +77,11 @@ class OwnedWeight:
         self.window = WindowSum(param.device if device_sums else torch.device("cpu"))
         # purpose -> (pinned buffer, its transfer to the device in flight), on a GPU.
         self._to_device_buffers: dict[str, tuple[torch.Tensor, PendingCopy | None]] = {}
-        self._gradient: StagedGradient | None = None
+        self._gradient: StagedGradient | None = None  # this step's, once staged
+        # The one tensor object ``.grad`` holds, step after step (as torch reuses ``.grad``
+        # under ``zero_grad(set_to_none=False)``): one per weight and step would keep Python's
+        # garbage collector busy.
+        self._staged_gradient: StagedGradient | None = None
         self._finished = False
         self._norm_sq: torch.Tensor | None = None
         self.slot = registry.register(param, self)
@@ -128,6 +132,14 @@ class OwnedWeight:
             self._norm_sq = self.staging.norm_sq()
         return self._norm_sq
 
+    def gradient_norm_parts(self) -> list[torch.Tensor] | None:
+        """Tensors whose squared L2 norms add up to the staged gradient's squared norm (before
+        any scale), for the step to take every weight's at once; None where only
+        ``gradient_norm_sq()`` tells. Reduces the gradient over ranks first, once per step."""
+        self.before_norms()
+        self.finish_gradient()
+        return self.staging.norm_parts()
+
     def gradient_scale(self) -> torch.Tensor | None:
         """What the staged gradient was multiplied by through ``.grad`` (clipping), or None."""
         return None if self._gradient is None else self._gradient.scale
@@ -152,7 +164,10 @@ class OwnedWeight:
 
     def _after_staging(self) -> None:
         if self._gradient is None:
-            self._gradient = StagedGradient(self, self.param)
+            if self._staged_gradient is None:
+                self._staged_gradient = StagedGradient(self, self.param)
+            self._gradient = self._staged_gradient
+            self._gradient.scale = None
         self.param.grad = self._gradient
 
     # Selection.

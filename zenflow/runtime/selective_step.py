@@ -5,9 +5,11 @@ instead of one per op and tensor (3x faster for a small GPT's ~50 tensors on CPU
 compiled, Inductor's horizontal fusion of the lists.
 
 Rows are per-column state (``[k, out]``; a 1-D parameter is one row) and ``steps`` holds each
-row's step count, so columns with different histories get their own bias correction. ``lr`` and
-``coefficient`` (the clip factor) are 0-d tensors: as Python floats every new learning rate
-from a schedule would specialize the graph and recompile it.
+row's step count, so columns with different histories get their own bias correction. ``lr`` is
+a 0-d tensor: as a Python float every new learning rate from a schedule would specialize the
+graph and recompile it. So is ``coefficient`` (a clip factor, or a window's mean), or None for
+a step whose gradients are used as they are (no clipping: most steps), which then makes no
+scaled copy of them: outside the compiled loop, so that one graph serves both.
 
 ``destinations``: where each updated master goes in the model, in the same pass: a tensor of
 the master's shape (a 1-D parameter's view) takes a copy, None writes nothing (a weight's
@@ -23,21 +25,41 @@ from torch._dynamo.exc import FailOnRecompileLimitHit
 from zenflow.notices import notice
 
 
-def row_constants(
-    steps: list[torch.Tensor], lr: torch.Tensor, beta1: float, beta2: float
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Advance every row's step count and return, per tensor, each row's step size
-    ``lr / (1 - beta1**step)`` and ``sqrt(1 - beta2**step)``, fp32, as ``[rows, 1]`` columns.
+class RowConstants:
+    """Each row's AdamW constants for one list of tensors, as the element loop takes them.
 
-    Formed once per row in fp64 (a row's step count may be large), eagerly: inside a compiled
-    graph Inductor fuses them into the element loop and computes two fp64 powers per element
-    (a 1.9M-element step took 11 ms on the development CPU instead of 2.4 ms)."""
-    torch._foreach_add_(steps, 1)
-    row_counts = [step.numel() for step in steps]
-    step64 = torch.cat(steps).to(torch.float64)
-    step_sizes = (lr / (1 - beta1**step64)).to(torch.float32)[:, None].split(row_counts)
-    bias_corrections2_sqrt = (1 - beta2**step64).sqrt().to(torch.float32)[:, None]
-    return list(step_sizes), list(bias_corrections2_sqrt.split(row_counts))
+    Owns two fp32 buffers of one value per row (step sizes, bias corrections) and their
+    ``[rows, 1]`` views per tensor, made once for a list of row counts and refilled by every
+    step: new views every step would be two Python objects per tensor and step, enough to set
+    off the garbage collector, whose full passes over a compiled model's objects take a
+    fraction of a second."""
+
+    def __init__(self):
+        self._row_counts: list[int] | None = None
+        self._values: torch.Tensor | None = None
+        self.step_sizes: list[torch.Tensor] = []
+        self.bias_corrections2_sqrt: list[torch.Tensor] = []
+
+    def advance(
+        self, steps: list[torch.Tensor], lr: torch.Tensor, beta1: float, beta2: float
+    ) -> None:
+        """Advance every row's step count and set, per tensor, each row's step size
+        ``lr / (1 - beta1**step)`` and ``sqrt(1 - beta2**step)``, fp32, as ``[rows, 1]``
+        columns.
+
+        Formed once per row in fp64 (a row's step count may be large), eagerly: inside a
+        compiled graph Inductor fuses them into the element loop and computes two fp64 powers
+        per element (a 1.9M-element step took 11 ms on the development CPU instead of 2.4 ms)."""
+        torch._foreach_add_(steps, 1)
+        row_counts = [step.numel() for step in steps]
+        step64 = torch.cat(steps).to(torch.float64)
+        if row_counts != self._row_counts or self._values.device != step64.device:
+            self._values = torch.empty(2, step64.numel(), 1, device=step64.device)
+            self.step_sizes = list(self._values[0].split(row_counts))
+            self.bias_corrections2_sqrt = list(self._values[1].split(row_counts))
+            self._row_counts = row_counts
+        self._values[0, :, 0].copy_(lr / (1 - beta1**step64))
+        self._values[1, :, 0].copy_((1 - beta2**step64).sqrt())
 
 
 def adamw_elements_(
@@ -48,15 +70,13 @@ def adamw_elements_(
     step_sizes: list[torch.Tensor],
     bias_corrections2_sqrt: list[torch.Tensor],
     decay: torch.Tensor,
-    coefficient: torch.Tensor,
     beta1: float,
     beta2: float,
     eps: float,
     destinations: list[torch.Tensor | None],
 ) -> None:
-    """The element loop of AdamW, given each row's constants (``row_constants``) and the 0-d
-    fp32 ``decay`` (``1 - lr * weight_decay``) and clip ``coefficient``."""
-    grads = torch._foreach_mul(grads, coefficient)
+    """The element loop of AdamW, given each row's constants (``RowConstants``) and the 0-d
+    fp32 ``decay`` (``1 - lr * weight_decay``)."""
     torch._foreach_mul_(masters, decay)
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
@@ -79,26 +99,31 @@ def selective_adamw_(
     steps: list[torch.Tensor],
     grads: list[torch.Tensor],
     lr: torch.Tensor,
-    coefficient: torch.Tensor,
+    coefficient: torch.Tensor | None,
     beta1: float,
     beta2: float,
     eps: float,
     weight_decay: float,
     destinations: list[torch.Tensor | None],
+    constants: RowConstants | None = None,
     *,
     elements=adamw_elements_,
 ) -> None:
-    """One AdamW step of every row; ``elements`` runs the element loop (compiled or not)."""
-    step_sizes, bias_corrections2_sqrt = row_constants(steps, lr, beta1, beta2)
+    """One AdamW step of every row; ``constants``: the caller's buffers for the rows'
+    constants, kept from step to step (None: made for this call); ``elements`` runs the
+    element loop (compiled or not)."""
+    if coefficient is not None:
+        grads = torch._foreach_mul(grads, coefficient.to(torch.float32))
+    constants = constants or RowConstants()
+    constants.advance(steps, lr, beta1, beta2)
     elements(
         masters,
         exp_avgs,
         exp_avg_sqs,
         grads,
-        step_sizes,
-        bias_corrections2_sqrt,
+        constants.step_sizes,
+        constants.bias_corrections2_sqrt,
         (1 - lr * weight_decay).to(torch.float32),
-        coefficient.to(torch.float32),
         beta1,
         beta2,
         eps,

@@ -9,9 +9,12 @@ backward hands each micro-batch over in one of three forms (``stage_matmul``, ``
 * ``rank_scores()`` with several ranks: this rank's share of the columns' scores, which the
   step sums over ranks for every weight in one collective and hands back
   (``adopt_summed_scores``); None where there is nothing to sum;
-* ``norm_sq()`` and ``scores()``: the staged gradient's squared norm (a float64 0-d tensor, on
-  the device where it was formed) and each column's squared norm (natural order, fp32, where
-  they were taken: the conductor brings every weight's to the host at once);
+* ``norm_parts()`` or ``norm_sq()``, and ``scores()``: tensors whose squared L2 norms add up
+  to the staged gradient's (for the step to take every weight's in one multi-tensor norm;
+  None where the strategy only knows its total), the staged gradient's squared norm (a float64
+  0-d tensor, on the device where it was formed) and each column's squared norm (natural
+  order, fp32, where they were taken: the conductor brings every weight's to the host at
+  once);
 * ``migrate(migration)`` if the step reselects: staged rows change side with their columns;
 * ``selected_rows()``: the selected columns' rows, ``[k, out]`` fp32, where their state is;
 * ``land()``: wait for rows still on their way to the host (an explicit call: nothing else
@@ -37,6 +40,7 @@ from zenflow.runtime.gradient_rows import (
 )
 from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.layout import ColumnLayout, Migration
+from zenflow.runtime.side_by_side import indices_by
 
 
 class HostBlocks:
@@ -119,6 +123,11 @@ class Staging:
         column in its natural place for None), formed into ``out`` when given."""
         raise NotImplementedError
 
+    def norm_parts(self) -> list[torch.Tensor] | None:
+        """Tensors whose squared L2 norms add up to the staged gradient's squared norm, where
+        the rows are kept whole on their device; None: ask ``norm_sq()``."""
+        return None
+
     def rank_scores(self) -> torch.Tensor | None:
         """This rank's share of the columns' scores, to be summed over ranks; None (one rank
         or no share left: the strategy knows its scores)."""
@@ -148,6 +157,18 @@ class Staging:
             return selected
         self.staged_bytes += selected.numel() * selected.element_size()
         return selected.to("cpu")
+
+
+def squared_norm_totals(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The squared L2 norm of all ``tensors`` together in fp64, one 0-d tensor per device and
+    dtype among them: a multi-tensor norm, and the norms stacked before anything else is made
+    of them (a list of 0-d tensors per tensor would be as many more Python objects per step).
+    """
+    totals = []
+    for members in indices_by((t.device, t.dtype) for t in tensors).values():
+        norms = torch._foreach_norm([tensors[i] for i in members], 2, dtype=torch.float64)
+        totals.append(torch.stack(norms).square().sum())
+    return totals
 
 
 def squared_row_norms(rows: torch.Tensor) -> torch.Tensor:

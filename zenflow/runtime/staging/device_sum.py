@@ -7,12 +7,18 @@ would need its own reduction, so this strategy takes one rank.
 
 import torch
 
+from zenflow.runtime.staging.base import squared_norm_totals
 from zenflow.runtime.staging.contributions import DeviceRows
 from zenflow.runtime.staging.ordered import OrderedStaging
 
 
 class DeviceSumStaging(OrderedStaging):
     """Owns the step's unselected rows on the device (fp32, host row order)."""
+
+    # The rows stay on the device until the step: the step's norm is taken from them for every
+    # weight at once (``norm_parts``), and the columns' scores only where a selection or the
+    # "auto" rule asks for them, not for each weight in every backward.
+    scores_at_staging = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -32,6 +38,18 @@ class DeviceSumStaging(OrderedStaging):
 
     def host_rows(self) -> torch.Tensor:
         return self._unselected
+
+    def norm_parts(self) -> list[torch.Tensor]:
+        return [self._selected, self._unselected]
+
+    def norm_sq(self) -> torch.Tensor:
+        """From the rows (one multi-tensor norm), unless a selection took the scores already or
+        the selected rows went to the host (``offload``)."""
+        parts = self.norm_parts()
+        if self._scores_in_order is not None or parts[0].device != parts[1].device:
+            return super().norm_sq()
+        (total,) = squared_norm_totals(parts)
+        return total
 
     def staged_host_block(self) -> torch.Tensor:
         k_local = self.layout.k_local

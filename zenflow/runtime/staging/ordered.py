@@ -31,6 +31,10 @@ class OrderedStaging(Staging):
     """Owns the selected rows (``[k, out]`` fp32, device row order), the staged unselected
     rows as a strategy keeps them, and the scores when staging took them."""
 
+    # Take every column's score as the rows are formed (one rank, one micro-batch): a strategy
+    # that sends the rows away would otherwise have to read them back for the step's norm.
+    scores_at_staging = True
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._selected: torch.Tensor | None = None
@@ -50,7 +54,7 @@ class OrderedStaging(Staging):
         rows = rows_at(self._index())
         first = not self.staged
         self.stage_parts(rows, first)
-        single = first and self.comm.world_size == 1
+        single = first and self.comm.world_size == 1 and self.scores_at_staging
         self._scores_in_order = squared_row_norms(rows) if single else None
         self.micro_batches += 1
 
