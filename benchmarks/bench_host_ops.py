@@ -1,7 +1,7 @@
 """The operations the training thread dispatches per weight and step: what keeps a GPU waiting.
 
     .venv/bin/python benchmarks/bench_host_ops.py [--quick] [--layers 96] [--dtype both]
-        [--cycles 16]
+        [--cycles 32]
 
 On a GPU every operation the host dispatches is a kernel launch (or at least a trip through
 the dispatcher), a few microseconds each: a model of many small weights, or one whose step is
@@ -81,10 +81,10 @@ def _args(argv=None):
     parser.add_argument("--quick", action="store_true", help="8 layers, fp32 only (smoke)")
     parser.add_argument("--layers", type=int, default=None, help="Linear(64, 64) layers (96)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "both"), default=None)
-    parser.add_argument("--cycles", type=int, default=None, help="timed select cycles (16)")
+    parser.add_argument("--cycles", type=int, default=None, help="timed select cycles (32)")
     args = parser.parse_args(argv)
     args.layers = args.layers or (8 if args.quick else 96)
-    args.cycles = args.cycles or (2 if args.quick else 16)
+    args.cycles = args.cycles or (2 if args.quick else 32)
     args.dtype = args.dtype or ("fp32" if args.quick else "both")
     return args
 
@@ -175,43 +175,51 @@ class _Collections:
                 self.young += 1
 
 
-def _timed_row(name: str, layers: int, dtype: torch.dtype, cycles: int) -> dict:
-    """Host milliseconds of each step's backward and of ``step()`` + ``zero_grad()`` (median
-    per kind of step), the mean whole step (forward included) over ``cycles`` select cycles,
-    with the garbage collector on as in training, and its passes per 100 steps."""
-    compiled, opt, x = _training(name, layers, dtype)
+class _TimedRow:
+    """One row's model, optimizer and batch, and the host time of every step it ran: the
+    backward, ``step()`` + ``zero_grad()`` and the whole step, in seconds, and the garbage
+    collector's passes during its steps."""
 
-    def step() -> tuple[float, float, float]:
+    def __init__(self, name: str, layers: int, dtype: torch.dtype):
+        self.compiled, self.opt, self.x = _training(name, layers, dtype)
+        self.times: list[tuple[float, float, float]] = []
+        self.passes = _Collections()
+        for _ in range(3 * CYCLE):  # warm-up, the first selection, one whole select cycle
+            self._step()
+
+    def _step(self) -> tuple[float, float, float]:
         started = time.perf_counter()
-        loss = compiled(x).float().square().mean()
+        loss = self.compiled(self.x).float().square().mean()
         forward = time.perf_counter()
         loss.backward()
         backward = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
+        self.opt.step()
+        self.opt.zero_grad()
         stepped = time.perf_counter()
         return backward - forward, stepped - backward, stepped - started
 
-    for _ in range(3 * CYCLE):
-        step()
-    gc.collect()
-    collections_ = _Collections()
-    gc.callbacks.append(collections_)
-    try:
-        times = [step() for _ in range(cycles * CYCLE)]
-    finally:
-        gc.callbacks.remove(collections_)
-    by_kind = [[times[c * CYCLE + i][1] for c in range(cycles)] for i in range(CYCLE)]
-    steps = len(times)
-    return dict(
-        backward=statistics.median(t[0] for t in times) * 1e3,
-        ordinary=statistics.mean(statistics.median(by_kind[i]) for i in (0, 1, 2, 4, 5, 6)) * 1e3,
-        window=statistics.median(by_kind[3]) * 1e3,
-        select=statistics.median(by_kind[7]) * 1e3,
-        mean=statistics.mean(t[2] for t in times) * 1e3,
-        young=100 * collections_.young / steps,
-        full=100 * collections_.full / steps,
-    )
+    def cycle(self) -> None:
+        gc.callbacks.append(self.passes)
+        try:
+            self.times += [self._step() for _ in range(CYCLE)]
+        finally:
+            gc.callbacks.remove(self.passes)
+
+    def summary(self) -> dict:
+        """Milliseconds: the backward's and each kind of step's median, the mean whole step;
+        the collector's passes per 100 steps."""
+        cycles = len(self.times) // CYCLE
+        by_kind = [[self.times[c * CYCLE + i][1] for c in range(cycles)] for i in range(CYCLE)]
+        ordinary = statistics.mean(statistics.median(by_kind[i]) for i in (0, 1, 2, 4, 5, 6))
+        return dict(
+            backward=statistics.median(t[0] for t in self.times) * 1e3,
+            ordinary=ordinary * 1e3,
+            window=statistics.median(by_kind[3]) * 1e3,
+            select=statistics.median(by_kind[7]) * 1e3,
+            mean=statistics.mean(t[2] for t in self.times) * 1e3,
+            young=100 * self.passes.young / len(self.times),
+            full=100 * self.passes.full / len(self.times),
+        )
 
 
 def _print_times(layers: int, dtype: torch.dtype, cycles: int, rows: tuple[str, ...]) -> None:
@@ -224,7 +232,13 @@ def _print_times(layers: int, dtype: torch.dtype, cycles: int, rows: tuple[str, 
         f"{'mean step':>11s}{'vs foreach':>12s}{'gc per 100 steps':>18s}"
     )
     print(header + "\n" + "-" * len(header))
-    timed = {name: _timed_row(name, layers, dtype, cycles) for name in rows}
+    # Whole select cycles of every row in turn, so that the machine's drift reaches all alike.
+    runs = {name: _TimedRow(name, layers, dtype) for name in rows}
+    gc.collect()
+    for _ in range(cycles):
+        for run in runs.values():
+            run.cycle()
+    timed = {name: run.summary() for name, run in runs.items()}
     reference = timed["torch adamw foreach"]["mean"]
     per_layer = 1e3 / layers
     for name, t in timed.items():
