@@ -59,7 +59,7 @@ def working_ops(prof) -> list[str]:
     return ops
 
 
-def training(layers: int, device_sums: bool | None):
+def training(layers: int, device_sums: bool | None, select_interval: int = 8):
     """A model of ``layers`` Linear(32, 32) compiled with zenflow and its ZenFlowAdamW, or with
     ``device_sums`` None, compiled with aot_eager (the same eager backward) and torch's AdamW."""
     torch.manual_seed(0)
@@ -72,7 +72,7 @@ def training(layers: int, device_sums: bool | None):
         lr=1e-3,
         topk_ratio=0.25,
         update_interval=4,
-        select_interval=8,
+        select_interval=select_interval,
         overlap_step=True,
         accumulate_on_device=device_sums,
         step_backend="eager",
@@ -138,3 +138,24 @@ def test_a_backward_with_device_side_sums_adds_one_gather_per_weight():
         if zenflow_ops.get(op, 0.0) != torch_ops.get(op, 0.0)
     }
     assert added == {"aten::index_select": 1.0}
+
+
+def test_a_window_close_with_device_side_sums_adds_one_write_per_weight():
+    """A window that closes away from a select boundary (select_interval 16: step 11) writes
+    each weight's new unselected columns beside its selected ones, and nothing else per weight:
+    every device-side sum crosses in one copy, every weight's step counts advance in one
+    multi-tensor add. Before: an add per weight for its step counts."""
+
+    def window_close_ops(layers: int) -> collections.Counter:
+        compiled, opt = training(layers, True, select_interval=16)
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+        for _ in range(12):
+            compiled(x).square().mean().backward()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                opt.step()
+                opt.zero_grad()
+        return collections.Counter(working_ops(prof))
+
+    few, many = window_close_ops(4), window_close_ops(10)
+    per_layer = {op: (many[op] - few[op]) / 6 for op in many | few if many[op] != few[op]}
+    assert per_layer == {"aten::index_copy_": 2.0}

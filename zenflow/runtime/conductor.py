@@ -489,8 +489,7 @@ class Conductor:
         with self.jobs.every_core():
             for group_index, group_weights in self.by_group(weights):
                 handed = [w.staging.hand_over() for w in group_weights]
-                for w in group_weights:
-                    w.state.host_steps += 1
+                torch._foreach_add_([w.state.host_steps for w in group_weights], 1)
                 copies = CopyBuffers(group_weights)
                 handle = cpu_adam.submit_adamw_step(
                     [w.state.host_master for w in group_weights],

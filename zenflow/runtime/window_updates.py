@@ -41,8 +41,8 @@ class WindowUpdates:
         the learning rate already scaled for the window)."""
         entries, sums, lasts = [], [], []
         copies = CopyBuffers(weights)
+        torch._foreach_add_([w.state.host_steps[w.layout.k_local :] for w in weights], 1)
         for w, copied in zip(weights, copies.rows, strict=True):
-            w.state.host_steps[w.layout.k_local :] += 1
             if w.device_sums:
                 entries.append(UpdateEntry.of(w, copied, None, None))
             else:
