@@ -30,7 +30,8 @@ class DeviceSumStaging(OrderedStaging):
         # selected and the unselected ones as two views; later micro-batches add into them.
         k = self.layout.k
         if first:
-            rows = rows.to(torch.float32)
+            if rows.dtype != torch.float32:  # no call at all for fp32 rows: one per weight
+                rows = rows.float()
             self._selected, self._unselected = rows[:k], rows[k:]
         else:
             self._selected.add_(rows[:k])
