@@ -77,11 +77,11 @@ class OwnedWeight:
         self.window = WindowSum(param.device if device_sums else torch.device("cpu"))
         # purpose -> (pinned buffer, its transfer to the device in flight), on a GPU.
         self._to_device_buffers: dict[str, tuple[torch.Tensor, PendingCopy | None]] = {}
-        self._gradient: StagedGradient | None = None  # this step's, once staged
-        # The one tensor object ``.grad`` holds, step after step (as torch reuses ``.grad``
-        # under ``zero_grad(set_to_none=False)``): one per weight and step would keep Python's
-        # garbage collector busy.
-        self._staged_gradient: StagedGradient | None = None
+        # The one tensor object ``.grad`` holds while a gradient is staged, made at the first
+        # and kept step after step (as torch reuses ``.grad`` under
+        # ``zero_grad(set_to_none=False)``): one per weight and step would keep Python's
+        # garbage collector busy. Its scale is cleared whenever the gradient is dropped.
+        self._gradient: StagedGradient | None = None
         self._finished = False
         self._norm_sq: torch.Tensor | None = None
         self.slot = registry.register(param, self)
@@ -109,7 +109,7 @@ class OwnedWeight:
         """Before the step reads the gradient: an ordinary ``.grad`` (a model that is not
         compiled) is staged; staged rows whose ``.grad`` was set to None since are dropped."""
         grad = self.param.grad
-        if grad is not None and grad is self._gradient:
+        if grad is not None and grad is self._gradient and self.staging.staged:
             return
         if self.staging.staged:  # .grad cleared or replaced after the backward staged it
             self.discard_gradient()
@@ -149,9 +149,10 @@ class OwnedWeight:
         self.staging.discard()
         self._finished = False
         self._norm_sq = None
-        if self._gradient is not None and self.param.grad is self._gradient:
-            self.param.grad = None
-        self._gradient = None
+        if self._gradient is not None:
+            self._gradient.scale = None
+            if self.param.grad is self._gradient:
+                self.param.grad = None
 
     def _before_staging(self) -> None:
         if self.staging.staged and self.param.grad is not self._gradient:
@@ -164,10 +165,7 @@ class OwnedWeight:
 
     def _after_staging(self) -> None:
         if self._gradient is None:
-            if self._staged_gradient is None:
-                self._staged_gradient = StagedGradient(self, self.param)
-            self._gradient = self._staged_gradient
-            self._gradient.scale = None
+            self._gradient = StagedGradient(self, self.param)
         self.param.grad = self._gradient
 
     # Selection.

@@ -114,7 +114,8 @@ def selective_adamw_(
     element loop (compiled or not)."""
     if coefficient is not None:
         grads = torch._foreach_mul(grads, coefficient.to(torch.float32))
-    constants = constants or RowConstants()
+    if constants is None:
+        constants = RowConstants()
     constants.advance(steps, lr, beta1, beta2)
     elements(
         masters,
