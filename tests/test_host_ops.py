@@ -80,30 +80,37 @@ def training(layers: int, device_sums: bool | None, select_interval: int = 8):
     return torch.compile(model, backend="zenflow", options={"inner": "eager"}), opt
 
 
-def ops_inside_a_window(layers: int, device_sums: bool | None, counted_part: str) -> list[str]:
-    """The working operations of the backward or of ``step()`` + ``zero_grad()``, alike on
-    every step inside a window (after the first, which makes the new selection's indices)."""
-    compiled, opt = training(layers, device_sums)
+def ops_at(
+    layers: int,
+    device_sums: bool | None,
+    counted_part: str,
+    steps: tuple[int, ...] = INSIDE_A_WINDOW[1:],
+    select_interval: int = 8,
+) -> list[str]:
+    """The working operations of the backward or of ``step()`` + ``zero_grad()`` at ``steps``,
+    alike on each of them (by default the steps inside a window, after the first, which makes
+    the new selection's indices)."""
+    compiled, opt = training(layers, device_sums, select_interval)
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
     activities = [torch.profiler.ProfilerActivity.CPU]
     counted = []
-    for i in range(8):
+    for i in range(max(steps) + 1):
         loss = compiled(x).square().mean()
         with torch.profiler.profile(activities=activities) as backward:
             loss.backward()
         with torch.profiler.profile(activities=activities) as stepped:
             opt.step()
             opt.zero_grad()
-        if i in INSIDE_A_WINDOW[1:]:
+        if i in steps:
             counted.append(working_ops(backward if counted_part == "backward" else stepped))
     assert all(ops == counted[0] for ops in counted), "steps of one kind dispatch alike"
     return counted[0]
 
 
-def per_extra_layer(device_sums: bool | None, counted_part: str) -> dict[str, float]:
-    few, many = (
-        collections.Counter(ops_inside_a_window(n, device_sums, counted_part)) for n in (4, 10)
-    )
+def per_extra_layer(device_sums: bool | None, counted_part: str, **at) -> dict[str, float]:
+    """The operations that 10 layers dispatch beyond 4, per extra layer (``at``: ``ops_at``'s
+    steps and select_interval)."""
+    few, many = (collections.Counter(ops_at(n, device_sums, counted_part, **at)) for n in (4, 10))
     return {op: (many[op] - few[op]) / 6 for op in many | few if many[op] != few[op]}
 
 
@@ -145,17 +152,5 @@ def test_a_window_close_with_device_side_sums_adds_one_write_per_weight():
     each weight's new unselected columns beside its selected ones, and nothing else per weight:
     every device-side sum crosses in one copy, every weight's step counts advance in one
     multi-tensor add. Before: an add per weight for its step counts."""
-
-    def window_close_ops(layers: int) -> collections.Counter:
-        compiled, opt = training(layers, True, select_interval=16)
-        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
-        for _ in range(12):
-            compiled(x).square().mean().backward()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                opt.step()
-                opt.zero_grad()
-        return collections.Counter(working_ops(prof))
-
-    few, many = window_close_ops(4), window_close_ops(10)
-    per_layer = {op: (many[op] - few[op]) / 6 for op in many | few if many[op] != few[op]}
+    per_layer = per_extra_layer(True, "step", steps=(11,), select_interval=16)
     assert per_layer == {"aten::index_copy_": 2.0}
