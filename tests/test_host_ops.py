@@ -12,6 +12,7 @@ import collections
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import zenflow
 
@@ -154,3 +155,53 @@ def test_a_window_close_with_device_side_sums_adds_one_write_per_weight():
     multi-tensor add. Before: an add per weight for its step counts."""
     per_layer = per_extra_layer(True, "step", steps=(11,), select_interval=16)
     assert per_layer == {"aten::index_copy_": 2.0}
+
+
+class TensorsMade(TorchDispatchMode):
+    """Counts, per operation, the new tensors that operations make (neither in place nor a
+    view): on a GPU an allocation each, and a Python object each that the garbage collector
+    counts towards its next pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        schema = func._schema
+        if not schema.is_mutable and not any(r.alias_info for r in schema.returns):
+            leaves = torch.utils._pytree.tree_leaves(out)
+            made = sum(isinstance(leaf, torch.Tensor) for leaf in leaves)
+            if made:
+                self.made[func.overloadpacket.__name__] += made
+        return out
+
+
+def tensors_made_per_extra_layer(device_sums: bool | None) -> dict[str, float]:
+    """The new tensors that an ordinary ``step()`` + ``zero_grad()`` makes with 10 layers
+    beyond 4, per extra layer (the steps inside a window, after the first)."""
+    made = []
+    for layers in (4, 10):
+        compiled, opt = training(layers, device_sums)
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+        counted = []
+        for i in range(max(INSIDE_A_WINDOW) + 1):
+            compiled(x).square().mean().backward()
+            with TensorsMade() as mode:
+                opt.step()
+                opt.zero_grad()
+            if i in INSIDE_A_WINDOW[1:]:
+                counted.append(mode.made)
+        assert all(c == counted[0] for c in counted), "steps of one kind make alike"
+        made.append(counted[0])
+    few, many = made
+    return {op: (many[op] - few[op]) / 6 for op in many | few if many[op] != few[op]}
+
+
+def test_an_ordinary_step_with_device_side_sums_makes_few_tensors_per_weight():
+    """Per extra layer (a weight and a bias), what torch's foreach AdamW makes (a square root
+    per parameter) or less: the norm of each of the weight's two parts and of the bias (one
+    multi-tensor norm for all of them). The device update's denominators and updates are formed
+    in buffers kept from step to step. Before: a square root and a product per parameter."""
+    assert tensors_made_per_extra_layer(None) == {"_foreach_sqrt": 2.0}
+    assert tensors_made_per_extra_layer(True) == {"_foreach_norm": 3.0}

@@ -27,7 +27,7 @@ from zenflow.runtime.nonfinite import clip_coefficient
 from zenflow.runtime.owned_weight import OwnedWeight, QueuedReselection
 from zenflow.runtime.pending_update import CopyBuffers, UpdateEntry
 from zenflow.runtime.selective_step import (
-    RowConstants,
+    StepBuffers,
     compiled_selective_adamw,
     selective_adamw_,
     step_backend_for,
@@ -141,8 +141,8 @@ class Conductor:
         self._energy_terms: dict[OwnedWeight, list[float]] = {}
         # (what, param group, device) -> the 0-d lr or clip coefficient of the device update.
         self._scalars: dict[tuple, torch.Tensor] = {}
-        # (param group, device) -> the rows' constants of its device update.
-        self._row_constants: dict[tuple, RowConstants] = {}
+        # (param group, device) -> the working memory of its device update.
+        self._step_buffers: dict[tuple, StepBuffers] = {}
 
     @property
     def step_backend(self) -> str:
@@ -459,17 +459,17 @@ class Conductor:
                 hyper["eps"],
                 hyper["weight_decay"],
                 [None] * len(rows) + [v.param.data.view(1, -1) for v in vecs],
-                self._constants_of(group_index, device),
+                self._buffers_of(group_index, device),
             )
             with torch.profiler.record_function("zenflow::write_selected"):
                 for w in rows:
                     self.counters["h2d_bytes"] += w.write_selected()
 
-    def _constants_of(self, group_index: int, device: torch.device) -> RowConstants:
-        constants = self._row_constants.get((group_index, device))
-        if constants is None:
-            constants = self._row_constants[(group_index, device)] = RowConstants()
-        return constants
+    def _buffers_of(self, group_index: int, device: torch.device) -> StepBuffers:
+        buffers = self._step_buffers.get((group_index, device))
+        if buffers is None:
+            buffers = self._step_buffers[(group_index, device)] = StepBuffers()
+        return buffers
 
     def _device_scalar(
         self, what: str, group_index: int, device: torch.device, value: float

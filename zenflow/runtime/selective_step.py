@@ -25,41 +25,59 @@ from torch._dynamo.exc import FailOnRecompileLimitHit
 from zenflow.notices import notice
 
 
-class RowConstants:
-    """Each row's AdamW constants for one list of tensors, as the element loop takes them.
+class StepBuffers:
+    """The device step's working memory for one list of row tensors, kept from step to step.
 
-    Owns two fp32 buffers of one value per row (step sizes, bias corrections) and their
-    ``[rows, 1]`` views per tensor, made once for a list of row counts and refilled by every
-    step: new views every step would be two Python objects per tensor and step, enough to set
-    off the garbage collector, whose full passes over a compiled model's objects take a
-    fraction of a second."""
+    Owns two fp32 buffers of one value per row, each row's AdamW constants (step sizes, bias
+    corrections; ``[rows, 1]`` views per tensor), and two fp32 buffers the size of the rows,
+    where the element loop forms its denominators and updates (a view per tensor). All are made
+    once for a list of shapes and refilled by every step: new tensors every step would be
+    several Python objects per tensor and step, enough to set off the garbage collector, whose
+    full passes over a compiled model's objects take a fraction of a second (and on a GPU an
+    allocation each)."""
 
     def __init__(self):
-        self._row_counts: list[int] | None = None
-        self._values: torch.Tensor | None = None
+        self._constants: torch.Tensor | None = None
         self.step_sizes: list[torch.Tensor] = []
         self.bias_corrections2_sqrt: list[torch.Tensor] = []
+        self.denoms: list[torch.Tensor] = []
+        self.updates: list[torch.Tensor] = []
 
     def advance(
-        self, steps: list[torch.Tensor], lr: torch.Tensor, beta1: float, beta2: float
+        self, rows: list[torch.Tensor], steps: list[torch.Tensor], lr, beta1: float, beta2: float
     ) -> None:
-        """Advance every row's step count and set, per tensor, each row's step size
-        ``lr / (1 - beta1**step)`` and ``sqrt(1 - beta2**step)``, fp32, as ``[rows, 1]``
-        columns.
+        """Fit the buffers to ``rows`` (the masters), advance every row's step count and set,
+        per tensor, each row's step size ``lr / (1 - beta1**step)`` and
+        ``sqrt(1 - beta2**step)``, fp32, as ``[rows, 1]`` columns.
 
         Formed once per row in fp64 (a row's step count may be large), eagerly: inside a
         compiled graph Inductor fuses them into the element loop and computes two fp64 powers
         per element (a 1.9M-element step took 11 ms on the development CPU instead of 2.4 ms)."""
         torch._foreach_add_(steps, 1)
-        row_counts = [step.numel() for step in steps]
         step64 = torch.cat(steps).to(torch.float64)
-        if row_counts != self._row_counts or self._values.device != step64.device:
-            self._values = torch.empty(2, step64.numel(), 1, device=step64.device)
-            self.step_sizes = list(self._values[0].split(row_counts))
-            self.bias_corrections2_sqrt = list(self._values[1].split(row_counts))
-            self._row_counts = row_counts
-        self._values[0, :, 0].copy_(lr / (1 - beta1**step64))
-        self._values[1, :, 0].copy_((1 - beta2**step64).sqrt())
+        if not self._fits(rows):
+            self._fit([r.shape for r in rows], step64.device)
+        self._constants[0, :, 0].copy_(lr / (1 - beta1**step64))
+        self._constants[1, :, 0].copy_((1 - beta2**step64).sqrt())
+
+    def _fits(self, rows: list[torch.Tensor]) -> bool:
+        return (
+            len(rows) == len(self.denoms) > 0
+            and rows[0].device == self.denoms[0].device
+            and all(r.shape == d.shape for r, d in zip(rows, self.denoms, strict=True))
+        )
+
+    def _fit(self, shapes: list[torch.Size], device: torch.device) -> None:
+        row_counts = [shape[0] for shape in shapes]
+        self._constants = torch.empty(2, sum(row_counts), 1, device=device)
+        self.step_sizes = list(self._constants[0].split(row_counts))
+        self.bias_corrections2_sqrt = list(self._constants[1].split(row_counts))
+        sizes = [shape.numel() for shape in shapes]
+        scratch = torch.empty(2, sum(sizes), device=device)
+        self.denoms, self.updates = (
+            [part.view(shape) for part, shape in zip(half.split(sizes), shapes, strict=True)]
+            for half in scratch
+        )
 
 
 def adamw_elements_(
@@ -69,22 +87,26 @@ def adamw_elements_(
     grads: list[torch.Tensor],
     step_sizes: list[torch.Tensor],
     bias_corrections2_sqrt: list[torch.Tensor],
+    denoms: list[torch.Tensor],
+    updates: list[torch.Tensor],
     decay: torch.Tensor,
     beta1: float,
     beta2: float,
     eps: float,
     destinations: list[torch.Tensor | None],
 ) -> None:
-    """The element loop of AdamW, given each row's constants (``RowConstants``) and the 0-d
-    fp32 ``decay`` (``1 - lr * weight_decay``)."""
+    """The element loop of AdamW, given each row's constants and scratch for the denominators
+    and updates (``StepBuffers``), and the 0-d fp32 ``decay`` (``1 - lr * weight_decay``)."""
     torch._foreach_mul_(masters, decay)
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_copy_(denoms, exp_avg_sqs)
+    torch._foreach_sqrt_(denoms)
     torch._foreach_div_(denoms, bias_corrections2_sqrt)
     torch._foreach_add_(denoms, eps)
-    updates = torch._foreach_mul(exp_avgs, step_sizes)
+    torch._foreach_copy_(updates, exp_avgs)
+    torch._foreach_mul_(updates, step_sizes)
     torch._foreach_div_(updates, denoms)
     torch._foreach_sub_(masters, updates)
     written = [(d, m) for d, m in zip(destinations, masters, strict=True) if d is not None]
@@ -105,25 +127,27 @@ def selective_adamw_(
     eps: float,
     weight_decay: float,
     destinations: list[torch.Tensor | None],
-    constants: RowConstants | None = None,
+    buffers: StepBuffers | None = None,
     *,
     elements=adamw_elements_,
 ) -> None:
-    """One AdamW step of every row; ``constants``: the caller's buffers for the rows'
-    constants, kept from step to step (None: made for this call); ``elements`` runs the
-    element loop (compiled or not)."""
+    """One AdamW step of every row; ``buffers``: the caller's working memory, kept from step
+    to step (None: made for this call); ``elements`` runs the element loop (compiled or
+    not)."""
     if coefficient is not None:
         grads = torch._foreach_mul(grads, coefficient.to(torch.float32))
-    if constants is None:
-        constants = RowConstants()
-    constants.advance(steps, lr, beta1, beta2)
+    if buffers is None:
+        buffers = StepBuffers()
+    buffers.advance(masters, steps, lr, beta1, beta2)
     elements(
         masters,
         exp_avgs,
         exp_avg_sqs,
         grads,
-        constants.step_sizes,
-        constants.bias_corrections2_sqrt,
+        buffers.step_sizes,
+        buffers.bias_corrections2_sqrt,
+        buffers.denoms,
+        buffers.updates,
         (1 - lr * weight_decay).to(torch.float32),
         beta1,
         beta2,
