@@ -98,6 +98,7 @@ STRATEGIES = {
     "copy stream": dict(copy_stream=True),
     "device sums": dict(copy_stream=False, accumulate_on_device=True),
     "synchronous updates": dict(copy_stream=True, overlap_step=False),
+    "offload": dict(copy_stream=True, offload=True),
     "update_interval auto": dict(
         copy_stream=True, update_interval="auto", min_update_interval=2, max_update_interval=4
     ),

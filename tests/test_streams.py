@@ -76,6 +76,23 @@ def test_copy_to_device_on_cpu_is_the_source():
     assert on_device is source and pending.wait(HostSync()) is source
 
 
+@pytest.mark.parametrize("copy", ["to host", "to host, owned", "to host, into out", "to device"])
+def test_waiting_for_any_copy_counts_one_synchronization_as_on_a_gpu(copy):
+    """A copy the CPU twin makes at once (or needs not make) is still issued: waiting for it
+    counts where waiting for a GPU's copy does, so that CPU tests see a GPU's count."""
+    stream = CopyStream(torch.device("cpu"))
+    source = torch.arange(6.0)
+    if copy == "to device":
+        _, pending = stream.copy_to_device(source)
+    else:
+        out = torch.empty(6) if copy == "to host, into out" else None
+        pending = stream.copy_to_host(source, out=out, owned=copy == "to host, owned")
+    sync = HostSync()
+    assert torch.equal(pending.wait(sync), source)
+    pending.wait(sync)
+    assert sync.count == 1
+
+
 def test_one_wait_covers_every_copy_issued_before_it():
     """The copies run in the order issued: the first wait waits for the latest one, once, and
     the others are then known done; a copy issued after it takes a wait of its own."""

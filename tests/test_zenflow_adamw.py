@@ -227,6 +227,7 @@ def test_stats_count_steps_updates_bytes_and_pool_time():
         (dict(update_interval="auto", max_update_interval=0), "max_update_interval"),
         (dict(update_interval="auto", auto_ratio=1.5), "auto_ratio"),
         (dict(step_backend="tvm"), "step_backend must be one of"),
+        (dict(offload=True, accumulate_on_device=True), "set one of them"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, message):

@@ -203,6 +203,17 @@ class ZenFlowSettings(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_sums_beside_offload(self) -> ZenFlowSettings:
+        if self.offload and self.accumulate_on_device is True:
+            raise ValueError(
+                "accumulate_on_device=True keeps the windows' sums on the device (fp32, every "
+                "unselected column: more device memory than the selected columns' state), and "
+                "offload=True keeps optimizer state off it: set one of them "
+                '(accumulate_on_device "auto" is off with offload)'
+            )
+        return self
+
     def _needs_epoch_length(self) -> bool:
         strategy = effective_strategy(
             self.select_strategy, self.select_interval, self.update_interval

@@ -135,7 +135,10 @@ class LeavingRows:
         for (device, _), members in by_kind.items():
             parts = [self._queued[i][0] for i in members]
             flat = torch.cat([part.reshape(-1) for part in parts])
-            copy = copy_stream(device).copy_to_host(flat, owned=True)
+            if flat.numel() == 0:  # nothing leaves (the first selection): nothing to wait for
+                copy = PendingCopy(torch.empty(0, dtype=flat.dtype))
+            else:
+                copy = copy_stream(device).copy_to_host(flat, owned=True)
             offset = 0
             for i, part in zip(members, parts, strict=True):
                 landing[i] = (copy, offset, part.shape)

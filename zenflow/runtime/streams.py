@@ -9,15 +9,17 @@ backward pass.
 
 CPU: the device is the host. A source the caller owns is copied by the stream's worker thread
 (the side stream's twin, one copy after another in the order issued), and ``wait()`` joins that
-copy; any other source is copied at once, which is its snapshot and its transfer in one. The
-runtime's code is the same either way, so its overlap logic runs, and is tested, on CPU.
+copy; any other source is copied at once, which is its snapshot and its transfer in one. Every
+copy is issued on the twin all the same, so waiting for it counts one synchronization exactly
+where waiting for a GPU's copy does. The runtime's code is the same either way, so its overlap
+logic and its synchronizations run, and are tested, on CPU.
 
 ``out``: a host buffer to copy into (pinned, for CUDA), reused from step to step: a fresh
 allocation of this size costs more in page faults than the copy itself.
 
 ``copy_to_device``: the updated parameters' way back. CUDA: from a pinned host buffer, on the
 side stream, with the current stream made to wait for it on the device; the host buffer is free
-again once the returned copy's ``wait()`` returns. CPU: nothing to copy.
+again once the returned copy's ``wait()`` returns. CPU: nothing to copy (issued all the same).
 
 Waiting is one synchronization (``zenflow.runtime.host_sync``) for every copy issued so far:
 the side stream (and its CPU twin) runs its copies in the order issued, so the host waits for
@@ -97,12 +99,19 @@ class CopyStream:
         """``owned``: the caller hands ``source`` over (it made it, and nothing will write it
         again), so no snapshot is taken; the copy keeps it alive until done."""
         if self._stream is None:
-            if out is None:
-                return PendingCopy(source if owned else source.to("cpu", copy=True))
-            if not owned:
-                return PendingCopy(out.copy_(source))
-            job = self._host_worker().submit(out.copy_, source)
-            return PendingCopy(out, self, self._issue(job))
+            if owned and out is not None:
+                job = self._host_worker().submit(out.copy_, source)
+                return PendingCopy(out, self, self._issue(job))
+            # Copied now (a source the caller keeps may change after the call) or not at all
+            # (an owned source is its own copy), but issued all the same: waiting for it then
+            # counts where a GPU's wait does.
+            if owned:
+                host = source
+            elif out is None:
+                host = source.to("cpu", copy=True)
+            else:
+                host = out.copy_(source)
+            return PendingCopy(host, self, self._issue(_done()))
         snapshot = source if owned else source.clone()
         host = out if out is not None else torch.empty_like(source, device="cpu", pin_memory=True)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -122,7 +131,7 @@ class CopyStream:
         stream waits for it on the device, the host thread not at all. CPU: ``source`` itself,
         as the device is the host."""
         if self._stream is None:
-            return source, PendingCopy(source)
+            return source, PendingCopy(source, self, self._issue(_done()))
         current = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
             # Allocated on the side stream: a block the current stream's queued work still uses
@@ -143,6 +152,13 @@ class CopyStream:
             self._worker_pid = os.getpid()
             self.done_through, self._latest = self.issued, None  # a parent's copies are not ours
         return self._worker
+
+
+def _done() -> Future:
+    """A CPU twin's copy that was made at once (or needed none)."""
+    done = Future()
+    done.set_result(None)
+    return done
 
 
 def sent_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -151,13 +151,6 @@ class Staging:
     def move_staged(self, migration: Migration) -> tuple[int, int]:
         raise NotImplementedError
 
-    def _to_state_device(self, selected: torch.Tensor) -> torch.Tensor:
-        """``offload``: the selected rows are updated where their state is, on the host."""
-        if not self.offload:
-            return selected
-        self.staged_bytes += selected.numel() * selected.element_size()
-        return selected.to("cpu")
-
 
 def squared_norm_totals(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The squared L2 norm of all ``tensors`` together, one float64 0-d tensor per device and

@@ -44,12 +44,10 @@ class DeviceSumStaging(OrderedStaging):
         return [self._selected, self._unselected]
 
     def norm_sq(self) -> torch.Tensor:
-        """From the rows (one multi-tensor norm), unless a selection took the scores already or
-        the selected rows went to the host (``offload``)."""
-        parts = self.norm_parts()
-        if self._scores_in_order is not None or parts[0].device != parts[1].device:
+        """From the rows (one multi-tensor norm), unless a selection took the scores already."""
+        if self._scores_in_order is not None:
             return super().norm_sq()
-        (total,) = squared_norm_totals(parts)
+        (total,) = squared_norm_totals(self.norm_parts())
         return total
 
     def staged_host_block(self) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from zenflow.runtime.migration import move_rows
 from zenflow.runtime.staging.base import Staging, squared_row_norms
 from zenflow.runtime.staging.contributions import HostRows
-from zenflow.runtime.streams import sent_to
+from zenflow.runtime.streams import PendingCopy, copy_stream, sent_to
 
 
 def sum_in_fp32(total: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
@@ -38,6 +38,8 @@ class OrderedStaging(Staging):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._selected: torch.Tensor | None = None
+        # ``offload``: the selected rows on their way to the host, where their state is.
+        self._selected_landing: PendingCopy | None = None
         # Every column's score in row order: taken at staging (one rank, one micro-batch) or
         # once the parts are summed over ranks.
         self._scores_in_order: torch.Tensor | None = None
@@ -70,7 +72,19 @@ class OrderedStaging(Staging):
 
     def finish(self) -> None:
         self.comm.all_reduce_mean_(self._selected)
-        self._selected = self._to_state_device(self._selected)
+        if self.offload:
+            # Updated where their state is, on the host: they cross on the copy stream, landed
+            # by the step's one synchronization (which waits for the stream's copies).
+            self.staged_bytes += self._selected.numel() * self._selected.element_size()
+            stream = copy_stream(self.device)
+            self._selected_landing = stream.copy_to_host(self._selected, owned=True)
+
+    def _landed_selected(self) -> torch.Tensor:
+        """The selected rows where the step reads them (``offload``: on the host, landed)."""
+        if self._selected_landing is not None:
+            self._selected = self._selected_landing.wait(self.sync)
+            self._selected_landing = None
+        return self._selected
 
     def land(self) -> None:
         """Rows on their way to the host: none, unless a strategy sends them."""
@@ -126,7 +140,7 @@ class OrderedStaging(Staging):
         return self._take_scores().sum(dtype=torch.float64)
 
     def selected_rows(self) -> torch.Tensor:
-        return self._selected
+        return self._landed_selected()
 
     def staged_host_block(self) -> torch.Tensor:
         """The staged unselected rows as this rank's host block in local order (landed)."""
@@ -140,7 +154,7 @@ class OrderedStaging(Staging):
     def move_staged(self, migration) -> tuple[int, int]:
         self.land()
         block = self.staged_host_block()
-        pairs = [(block, self._selected)]
+        pairs = [(block, self._landed_selected())]
         (self._selected,), to_host, to_device = move_rows(migration, pairs, self.comm, self.pin)
         self.keep_host_block(block, migration.layout.k_local)
         self._scores_in_order = None
@@ -149,6 +163,7 @@ class OrderedStaging(Staging):
 
     def discard(self) -> None:
         self._selected = None
+        self._selected_landing = None
         self._scores_in_order = None
         self._chunk_scores = None
         self.micro_batches = 0
