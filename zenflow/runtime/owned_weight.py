@@ -268,20 +268,18 @@ class OwnedWeight:
         (converted there: the host master itself is rewritten by the next overlapped CPU update
         as soon as this returns) and the copy stream, so the host thread does not wait for
         the transfer."""
-        on_host = self.param.device.type == "cpu"
-        if on_host:
-            staged = rows.to(self.param.dtype)  # the device is the host: nothing to keep
+        buffer, previous = self._to_device_buffers.get(purpose, (None, None))
+        if previous is not None:
+            previous.wait(self.sync)  # the last transfer from this buffer (on every device)
+        if self.param.device.type == "cpu":
+            staged = rows.to(self.param.dtype)  # the device is the host: no buffer to keep
         else:
-            buffer, previous = self._to_device_buffers.get(purpose, (None, None))
-            if previous is not None:
-                previous.wait(self.sync)  # the last transfer from this buffer
             if buffer is None or buffer.shape[0] < rows.shape[0]:
                 rows_kept = max(rows.shape[0], self.layout.block_rows)  # k may exceed a block
                 buffer = torch.empty(rows_kept, self.out, dtype=self.param.dtype, pin_memory=True)
             staged = buffer[: rows.shape[0]].copy_(rows)
         on_device, pending = copy_stream(self.param.device).copy_to_device(staged)
-        if not on_host:
-            self._to_device_buffers[purpose] = (buffer, pending)
+        self._to_device_buffers[purpose] = (buffer, pending)
         return on_device
 
     # For export and inspection.

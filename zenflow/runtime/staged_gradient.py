@@ -15,6 +15,8 @@ gradients it calls ``torch.linalg.vector_norm`` and ``mul_`` per tensor. Both pa
 
 import torch
 
+from zenflow.runtime.streams import sent_to
+
 aten = torch.ops.aten
 
 
@@ -51,7 +53,7 @@ class StagedGradient(torch.Tensor):
 
     def norm(self) -> torch.Tensor:
         """The 2-norm of the gradient as scaled, 0-d in this tensor's dtype, like torch's."""
-        norm = self.owner.gradient_norm_sq().to(self.device).sqrt()
+        norm = sent_to(self.owner.gradient_norm_sq(), self.device).sqrt()
         if self.scale is not None:
             norm = norm * self.scale.abs()
         return norm.to(self.dtype)
@@ -62,7 +64,8 @@ class StagedGradient(torch.Tensor):
                 raise _refused(f"mul_ by a tensor of shape {list(factor.shape)}")
             factor = factor.reshape(()).to(self.device, torch.float64)
         else:
-            factor = torch.tensor(factor, dtype=torch.float64, device=self.device)
+            # Filled on the device: a number copied there would wait for its queue.
+            factor = torch.full((), factor, dtype=torch.float64, device=self.device)
         self.scale = factor if self.scale is None else self.scale * factor
         return self
 
