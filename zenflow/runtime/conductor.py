@@ -141,8 +141,6 @@ class Conductor:
         self._energy_terms: dict[OwnedWeight, list[float]] = {}
         # (what, param group, device) -> the 0-d lr or clip coefficient of the device update.
         self._scalars: dict[tuple, torch.Tensor] = {}
-        # (param group, device) -> the working memory of its device update.
-        self._step_buffers: dict[tuple, StepBuffers] = {}
 
     @property
     def step_backend(self) -> str:
@@ -154,6 +152,8 @@ class Conductor:
         device = trained[0].device if trained else torch.device("cpu")
         self._step_backend = step_backend_for(requested, device)
         self._device_step = compiled_selective_adamw(self._step_backend)
+        # (param group, device) -> the working memory of its device update, for this backend.
+        self._step_buffers: dict[tuple, StepBuffers] = {}
 
     @contextlib.contextmanager
     def failing_for_good(self):
@@ -468,7 +468,8 @@ class Conductor:
     def _buffers_of(self, group_index: int, device: torch.device) -> StepBuffers:
         buffers = self._step_buffers.get((group_index, device))
         if buffers is None:
-            buffers = self._step_buffers[(group_index, device)] = StepBuffers()
+            scratch = self._step_backend == "eager"
+            buffers = self._step_buffers[(group_index, device)] = StepBuffers(scratch)
         return buffers
 
     def _device_scalar(

@@ -29,19 +29,22 @@ class StepBuffers:
     """The device step's working memory for one list of row tensors, kept from step to step.
 
     Owns two fp32 buffers of one value per row, each row's AdamW constants (step sizes, bias
-    corrections; ``[rows, 1]`` views per tensor), and two fp32 buffers the size of the rows,
-    where the element loop forms its denominators and updates (a view per tensor). All are made
-    once for a list of shapes and refilled by every step: new tensors every step would be
-    several Python objects per tensor and step, enough to set off the garbage collector, whose
-    full passes over a compiled model's objects take a fraction of a second (and on a GPU an
-    allocation each)."""
+    corrections; ``[rows, 1]`` views per tensor), and, for an element loop that runs eagerly
+    (``scratch``), two fp32 buffers the size of the rows, where it forms its denominators and
+    updates (a view per tensor). All are made once for a list of shapes and refilled by every
+    step: new tensors every step would be several Python objects per tensor and step, enough to
+    set off the garbage collector, whose full passes over a compiled model's objects take a
+    fraction of a second (and on a GPU an allocation each). A compiled loop takes no scratch:
+    Inductor keeps those values in registers, where scratch would cost it two more passes."""
 
-    def __init__(self):
+    def __init__(self, scratch: bool = True):
+        self._scratch = scratch
         self._constants: torch.Tensor | None = None
+        self._shapes: list[torch.Size] = []
         self.step_sizes: list[torch.Tensor] = []
         self.bias_corrections2_sqrt: list[torch.Tensor] = []
-        self.denoms: list[torch.Tensor] = []
-        self.updates: list[torch.Tensor] = []
+        self.denoms: list[torch.Tensor] | None = None
+        self.updates: list[torch.Tensor] | None = None
 
     def advance(
         self, rows: list[torch.Tensor], steps: list[torch.Tensor], lr, beta1: float, beta2: float
@@ -61,23 +64,26 @@ class StepBuffers:
         self._constants[1, :, 0].copy_((1 - beta2**step64).sqrt())
 
     def _fits(self, rows: list[torch.Tensor]) -> bool:
+        # Compared without a list of the rows' shapes: one object per tensor and step.
         return (
-            len(rows) == len(self.denoms) > 0
-            and rows[0].device == self.denoms[0].device
-            and all(r.shape == d.shape for r, d in zip(rows, self.denoms, strict=True))
+            len(rows) == len(self._shapes) > 0
+            and rows[0].device == self._constants.device
+            and all(r.shape == shape for r, shape in zip(rows, self._shapes, strict=True))
         )
 
     def _fit(self, shapes: list[torch.Size], device: torch.device) -> None:
+        self._shapes = shapes
         row_counts = [shape[0] for shape in shapes]
         self._constants = torch.empty(2, sum(row_counts), 1, device=device)
         self.step_sizes = list(self._constants[0].split(row_counts))
         self.bias_corrections2_sqrt = list(self._constants[1].split(row_counts))
-        sizes = [shape.numel() for shape in shapes]
-        scratch = torch.empty(2, sum(sizes), device=device)
-        self.denoms, self.updates = (
-            [part.view(shape) for part, shape in zip(half.split(sizes), shapes, strict=True)]
-            for half in scratch
-        )
+        if self._scratch:
+            sizes = [shape.numel() for shape in shapes]
+            scratch = torch.empty(2, sum(sizes), device=device)
+            self.denoms, self.updates = (
+                [part.view(shape) for part, shape in zip(half.split(sizes), shapes, strict=True)]
+                for half in scratch
+            )
 
 
 def adamw_elements_(
@@ -87,31 +93,40 @@ def adamw_elements_(
     grads: list[torch.Tensor],
     step_sizes: list[torch.Tensor],
     bias_corrections2_sqrt: list[torch.Tensor],
-    denoms: list[torch.Tensor],
-    updates: list[torch.Tensor],
+    denoms: list[torch.Tensor] | None,
+    updates: list[torch.Tensor] | None,
     decay: torch.Tensor,
     beta1: float,
     beta2: float,
     eps: float,
     destinations: list[torch.Tensor | None],
 ) -> None:
-    """The element loop of AdamW, given each row's constants and scratch for the denominators
-    and updates (``StepBuffers``), and the 0-d fp32 ``decay`` (``1 - lr * weight_decay``)."""
+    """The element loop of AdamW, given each row's constants, scratch for the denominators
+    and updates or None (``StepBuffers``), and the 0-d fp32 ``decay``
+    (``1 - lr * weight_decay``)."""
     torch._foreach_mul_(masters, decay)
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-    torch._foreach_copy_(denoms, exp_avg_sqs)
+    denoms = _copied(exp_avg_sqs, denoms)
     torch._foreach_sqrt_(denoms)
     torch._foreach_div_(denoms, bias_corrections2_sqrt)
     torch._foreach_add_(denoms, eps)
-    torch._foreach_copy_(updates, exp_avgs)
+    updates = _copied(exp_avgs, updates)
     torch._foreach_mul_(updates, step_sizes)
     torch._foreach_div_(updates, denoms)
     torch._foreach_sub_(masters, updates)
     written = [(d, m) for d, m in zip(destinations, masters, strict=True) if d is not None]
     if written:
         torch._foreach_copy_(*(list(part) for part in zip(*written, strict=True)))
+
+
+def _copied(tensors: list[torch.Tensor], scratch: list[torch.Tensor] | None):
+    """``tensors`` copied into ``scratch``, or into new tensors where there is none."""
+    if scratch is None:
+        return [t.clone() for t in tensors]
+    torch._foreach_copy_(scratch, tensors)
+    return scratch
 
 
 def selective_adamw_(
