@@ -2,7 +2,8 @@
 
     python benchmarks/bench_gpu_step.py [--device cuda] [--out DIR] [--peers zenflow,ds-offload,ds-zenflow,adamw]
         [--layers 24] [--width 1024] [--heads 16] [--seq 512] [--batch 8] [--vocab 50304]
-        [--warmup N] [--steps 16] [--profile-steps N] [--inner inductor] [--peer-timeout S]
+        [--update-interval 8] [--select-interval 64] [--warmup N] [--steps N]
+        [--profile-steps N] [--inner inductor] [--peer-timeout S]
     python benchmarks/bench_gpu_step.py --device cpu --quick   # a smoke run of the same code on CPU
     python benchmarks/bench_gpu_step.py --summarize --out DIR  # the table from the JSON files in DIR
 
@@ -16,24 +17,30 @@ Data: fixed random token batches (the step time does not depend on what is learn
 Rows, each in its own process (DeepSpeed initializes torch.distributed; the rows must not share
 a process group, a compile cache in memory or CPU threads):
   zenflow          torch.compile(model, backend="zenflow") (Inductor) + zenflow.ZenFlowAdamW
-                   (topk 0.1, update_interval 4, select_interval 8, overlap_step) on the bf16 model;
+                   (topk 0.1, update_interval 8, select_interval 64, overlap_step: the schedule
+                   zenflow's GPU targets are set at; --update-interval, --select-interval) on the
+                   bf16 model;
                    accumulate_on_device as "auto" decides (on for one GPU rank where the window
                    sums fit: stats()["accumulate_on_device"] says)
   ds-offload       DeepSpeed ZeRO stage 2, offload_optimizer cpu (pinned), bf16, AdamW through
                    DeepSpeedCPUAdam (built just in time on first use), overlap_comm and
                    contiguous_gradients as DeepSpeed's offload tutorial sets them; eager model
   ds-zenflow       DeepSpeed's own ZenFlow: ds-offload plus the zero_optimization.zenflow block
-                   with zenflow's settings (select_strategy "step"); eager model
+                   with zenflow's settings and schedule (select_strategy "step"); eager model
   adamw            no offload: the bf16 model compiled by Inductor, fp32 master weights and
                    torch.optim.AdamW(fused=True) on the GPU (grads cast to fp32, masters copied back)
   zenflow-hostsum  (optional) zenflow with accumulate_on_device false: window sums on the host
   zenflow-offload  (optional) zenflow with topk 0, update_interval 1: ZeRO-Offload through zenflow
 
-Measured per row, after --warmup steps (zenflow: one select cycle, which includes compilation):
+Measured per row, after --warmup steps (zenflow: two windows, which include compilation; else 3):
   step time   wall clock of fwd + bwd + optimizer step with a device synchronize at the end of
-              each step, over --steps steps: median (and mean, min, max in the JSON);
+              each step, over --steps steps (the zenflow rows and DeepSpeed's ZenFlow: a select
+              interval, so that the mean is over a whole select cycle: any select_interval
+              consecutive steps of the schedule hold one select boundary and every window close
+              of a cycle; else 16): median (and mean, min, max in the JSON);
   idle        the device-idle (stall) fraction over --profile-steps further steps, measured with
-              torch.profiler (CUDA activity only): 1 - (union of the intervals in which a kernel or
+              torch.profiler (CUDA activity only; zenflow: a whole select cycle, else 4 steps):
+              1 - (union of the intervals in which a kernel or
               memset ran) / (wall time of those steps). Copies do not count as busy: a GPU whose
               SMs wait for a transfer or for the host is stalled. The profiler adds a little
               host overhead, so this errs towards idle; it is the same for every row;
@@ -66,8 +73,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("zenflow", "ds-offload", "ds-zenflow", "adamw", "zenflow-hostsum", "zenflow-offload")
 DEFAULT_PEERS = "zenflow,ds-offload,ds-zenflow,adamw"
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
-ZENFLOW = dict(topk_ratio=0.1, update_interval=4, select_interval=8, overlap_step=True)
-CYCLE = ZENFLOW["select_interval"]
+# The zenflow rows' phases are profiled over at most this many steps (every operation on the
+# host recorded: slow for a long cycle).
+PHASE_STEPS = 16
 
 
 def _args(argv=None):
@@ -83,9 +91,15 @@ def _args(argv=None):
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (8)")
     parser.add_argument("--vocab", type=int, default=None, help="vocabulary (50304)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="cuda: bf16")
-    parser.add_argument("--warmup", type=int, default=None, help="zenflow 8 (a cycle), else 3")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (16)")
-    parser.add_argument("--profile-steps", type=int, default=None, help="zenflow 8, else 4")
+    parser.add_argument("--update-interval", type=int, default=None, help="zenflow rows (8)")
+    parser.add_argument("--select-interval", type=int, default=None, help="zenflow rows (64)")
+    parser.add_argument("--warmup", type=int, default=None, help="zenflow 2 windows, else 3")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed steps (zenflow rows a select interval, 16)"
+    )
+    parser.add_argument(
+        "--profile-steps", type=int, default=None, help="zenflow a select interval, else 4"
+    )
     parser.add_argument(
         "--inner",
         choices=("inductor", "eager"),
@@ -103,14 +117,30 @@ def _args(argv=None):
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     quick = dict(layers=2, width=64, heads=2, seq=32, batch=2, vocab=256, steps=8, inner="eager")
-    full = dict(layers=24, width=1024, heads=16, seq=512, batch=8, vocab=50304, steps=16)
-    full["inner"] = "inductor"
+    quick |= dict(update_interval=4, select_interval=8)
+    full = dict(layers=24, width=1024, heads=16, seq=512, batch=8, vocab=50304, inner="inductor")
+    full |= dict(update_interval=8, select_interval=64)
     for name, value in (quick if args.quick else full).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.out is None:
         args.out = str(ROOT / "runs" / "bench_gpu_step")
     return args
+
+
+def _zenflow_settings(args) -> dict:
+    """zenflow's settings for the zenflow rows and DeepSpeed's ZenFlow."""
+    return dict(
+        topk_ratio=0.1,
+        update_interval=args.update_interval,
+        select_interval=args.select_interval,
+        overlap_step=True,
+    )
+
+
+def _runs_cycles(peer: str) -> bool:
+    """A row whose steps follow zenflow's schedule (its mean is taken over a select cycle)."""
+    return "zenflow" in peer
 
 
 def _param_count(args) -> int:
@@ -135,7 +165,7 @@ class _ZenFlow:
 
         import zenflow
 
-        settings = dict(ZENFLOW)
+        settings = _zenflow_settings(args)
         if peer == "zenflow-hostsum":
             settings["accumulate_on_device"] = False
         if peer == "zenflow-offload":
@@ -231,7 +261,7 @@ class _DeepSpeed:
             "contiguous_gradients": True,
         }
         if peer == "ds-zenflow":
-            zero["zenflow"] = dict(ZENFLOW, select_strategy="step")
+            zero["zenflow"] = dict(_zenflow_settings(args), select_strategy="step")
         self.peer = peer
         bf16 = next(model.parameters()).dtype == torch.bfloat16
         self.settings = dict(zero_optimization=zero, bf16=bf16, torch_adam=args.ds_torch_adam)
@@ -263,7 +293,8 @@ class _DeepSpeed:
         # DeepSpeed's ZenFlow: every gradient down each step, the unselected weights back once
         # per window (the selected ones are updated on the device).
         if self.peer == "ds-zenflow":
-            up = (1 - ZENFLOW["topk_ratio"]) / ZENFLOW["update_interval"]
+            schedule = self.settings["zero_optimization"]["zenflow"]
+            up = (1 - schedule["topk_ratio"]) / schedule["update_interval"]
             return (1 + up) * params * element_size
         return 2 * params * element_size
 
@@ -443,7 +474,12 @@ def _worker(args, peer: str) -> int:
         kind = _DeepSpeed if peer.startswith("ds-") else _AdamW if peer == "adamw" else _ZenFlow
         runner = kind(peer, model, args)
         record["settings"] = runner.settings
-        warmup = args.warmup if args.warmup is not None else CYCLE if "zenflow" in peer else 3
+        warmup = args.warmup
+        if warmup is None:
+            warmup = 2 * args.update_interval if peer.startswith("zenflow") else 3
+        steps = args.steps
+        if steps is None:
+            steps = args.select_interval if _runs_cycles(peer) else 16
         record.update(status="compiling and warming up", built_s=time.perf_counter() - started)
         _write_json(path, record)
         print(f"[{peer}] {params / 1e6:.1f}M parameters, set up in {record['built_s']:.1f}s")
@@ -462,7 +498,7 @@ def _worker(args, peer: str) -> int:
 
         before = runner.counters()
         times, spans, losses, kinds = [], [], [], []
-        for i in range(args.steps):
+        for i in range(steps):
             counted = runner.counters()
             x, y = batches[(warmup + i) % len(batches)]
             if device.type == "cuda":
@@ -487,7 +523,7 @@ def _worker(args, peer: str) -> int:
         analytic = runner.analytic_bytes_per_step(params, element_size)
         record.update(
             status="timed",
-            steps=args.steps,
+            steps=steps,
             step_times_s=times,
             median_s=statistics.median(times),
             mean_s=statistics.fmean(times),
@@ -501,7 +537,7 @@ def _worker(args, peer: str) -> int:
             losses=losses,
             step_kinds=kinds,
             counters=delta,
-            bytes_per_step=moved / args.steps if after else analytic,
+            bytes_per_step=moved / steps if after else analytic,
             bytes_per_step_source="stats" if after else "analytic",
             peak_memory_gb=(
                 torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
@@ -509,21 +545,22 @@ def _worker(args, peer: str) -> int:
         )
         _write_json(path, record)
         print(
-            f"[{peer}] median step {1000 * record['median_s']:.1f} ms over {args.steps} steps",
+            f"[{peer}] median step {1000 * record['median_s']:.1f} ms over {steps} steps",
             flush=True,
         )
         if isinstance(runner, _ZenFlow):
-            _check_zenflow_did_its_work(runner.settings, delta, args.steps)
+            _check_zenflow_did_its_work(runner.settings, delta, steps)
 
         profile_steps = args.profile_steps
         if profile_steps is None:
-            profile_steps = CYCLE if "zenflow" in peer else 4
+            profile_steps = args.select_interval if peer.startswith("zenflow") else 4
         if device.type == "cuda" and profile_steps > 0:
             record["profile"] = _profile(runner, batches, device, profile_steps)
             idle = record["profile"]["idle_fraction"]
             print(f"[{peer}] device idle over {profile_steps} profiled steps: {idle}", flush=True)
         if runner.counters() and profile_steps > 0:
-            record["phases_ms_per_step"] = _phases(runner, batches, device, profile_steps)
+            phase_steps = min(profile_steps, PHASE_STEPS)
+            record["phases_ms_per_step"] = _phases(runner, batches, device, phase_steps)
             _write_json(path, record)
         record.update(status="done", total_s=time.perf_counter() - started)
         _write_json(path, record)
@@ -562,6 +599,18 @@ def _summarize(args) -> str:
         f"python {first.get('python')}, {first.get('dtype')}; model {first.get('model')}, "
         f"{(first.get('params') or 0) / 1e6:.1f}M parameters",
         "",
+    ]
+    schedule = next(
+        (
+            r["settings"]
+            for name, r in records.items()
+            if name.startswith("zenflow") and r.get("settings")
+        ),
+        None,
+    )
+    if schedule:
+        lines += [f"zenflow rows: {schedule}", ""]
+    lines += [
         "| row | status | median step | mean | device idle | fwd+bwd share | bytes/step "
         "| bytes/step (profiler) | syncs/step | peak GPU mem | setup | row / zenflow |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -33,13 +33,15 @@
 #   (the DeepSpeed build is waited for here, up to 120 s: nothing is timed while it compiles;
 #    a build whose log has no "built in" line failed, and the DeepSpeed rows then use torch's
 #    Adam on the CPU, labelled)
-#   zenflow    60 s  bench_gpu_step.py --peers zenflow: accumulate_on_device "auto" (device-side
-#                    sums on one GPU); Inductor compiles the model, the device step runs eagerly
+#   zenflow    75 s  bench_gpu_step.py --peers zenflow: accumulate_on_device "auto" (device-side
+#                    sums on one GPU); Inductor compiles the model, the device step runs eagerly;
+#                    topk 0.1, update_interval 8, select_interval 64, overlap: 16 warm-up steps,
+#                    a whole select cycle timed and another profiled
 #   adamw     100 s  bench_gpu_step.py --peers adamw (a cold Inductor compile takes ~90 s)
 #   ds-offload 60 s  bench_gpu_step.py --peers ds-offload  (3 + 16 + 4 steps)
-#   zenflow-hostsum 60 s  zenflow with accumulate_on_device false (window sums on the host)
-#   ds-zenflow 90 s  bench_gpu_step.py --peers ds-zenflow (DeepSpeed's ZenFlow; last: its worker
-#                    can hang for minutes)
+#   zenflow-hostsum 90 s  zenflow with accumulate_on_device false (window sums on the host)
+#   ds-zenflow 90 s  bench_gpu_step.py --peers ds-zenflow (DeepSpeed's ZenFlow at zenflow's
+#                    schedule, a select cycle timed; last: its worker can hang for minutes)
 #   hand-over  30 s  (only when named) bench_compile_overhead.py --hand-over-only --device cuda
 #   summary   (reserved 10 s) the table of every row that finished, RESULTS_DIR/bench.md
 # Results, written stage by stage so that a run cut short still reports: RESULTS_DIR/summary.md
@@ -210,10 +212,10 @@ if [[ ${#BACKGROUND[@]} -gt 0 ]] && ! grep -q "built in" "$build_log"; then
     echo "| note | DeepSpeedCPUAdam did not build (ds_cpu_adam_build.log): the DeepSpeed rows use torch's Adam on the CPU | - |" \
         >>"$RES/summary.md"
 fi
-stage zenflow 60 "bench zenflow"
+stage zenflow 75 "bench zenflow"
 stage adamw 100 "bench adamw"
 stage ds-offload 60 "bench ds-offload $ds_options"
-stage zenflow-hostsum 60 "bench zenflow-hostsum"
+stage zenflow-hostsum 90 "bench zenflow-hostsum"
 stage ds-zenflow 90 "bench ds-zenflow $ds_options"
 
 for pid in "${BACKGROUND[@]}"; do
