@@ -33,11 +33,13 @@ a process group, a compile cache in memory or CPU threads):
   zenflow-offload  (optional) zenflow with topk 0, update_interval 1: ZeRO-Offload through zenflow
 
 Measured per row, after --warmup steps (zenflow: two windows, which include compilation; else 3):
-  step time   wall clock of fwd + bwd + optimizer step with a device synchronize at the end of
-              each step, over --steps steps (the zenflow rows and DeepSpeed's ZenFlow: a select
-              interval, so that the mean is over a whole select cycle: any select_interval
-              consecutive steps of the schedule hold one select boundary and every window close
-              of a cycle; else 16): median (and mean, min, max in the JSON);
+  step time   over --steps steps (the zenflow rows and DeepSpeed's ZenFlow: a select interval,
+              so that the mean is over a whole select cycle: any select_interval consecutive
+              steps of the schedule hold one select boundary and every window close of a cycle;
+              else 16), each step waiting for its work on the current stream as a training loop
+              that reads its loss does (copies on a side stream may run on into the next step):
+              median of the steps' wall clock (min, max in the JSON), mean = the whole span's
+              wall clock (its last copies waited for) / steps;
   idle        the device-idle (stall) fraction over --profile-steps further steps, measured with
               torch.profiler (CUDA activity only; zenflow: a whole select cycle, else 4 steps):
               1 - (union of the intervals in which a kernel or
@@ -157,6 +159,15 @@ def _sync(device) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _step_done(device) -> None:
+    """Wait for the step's work on the current stream, as a training loop that reads its loss
+    does; copies on other streams (zenflow's copy stream) may run on into the next step."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 class _ZenFlow:
@@ -498,12 +509,13 @@ def _worker(args, peer: str) -> int:
 
         before = runner.counters()
         times, spans, losses, kinds = [], [], [], []
+        _sync(device)
+        span_start = time.perf_counter()
         for i in range(steps):
             counted = runner.counters()
             x, y = batches[(warmup + i) % len(batches)]
             if device.type == "cuda":
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-            _sync(device)
             t0 = time.perf_counter()
             if device.type == "cuda":
                 begin.record()
@@ -511,12 +523,14 @@ def _worker(args, peer: str) -> int:
             if device.type == "cuda":
                 end.record()
             runner.optimizer_step()
-            _sync(device)
+            _step_done(device)
             times.append(time.perf_counter() - t0)
             if device.type == "cuda":
                 spans.append(begin.elapsed_time(end) / 1000)
             losses.append(float(loss.detach().float()))
             kinds.append(_step_kind(counted, runner.counters()))
+        _sync(device)
+        span = time.perf_counter() - span_start
         after = runner.counters()
         delta = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int | float)}
         moved = delta.get("d2h_bytes", 0) + delta.get("h2d_bytes", 0)
@@ -526,7 +540,7 @@ def _worker(args, peer: str) -> int:
             steps=steps,
             step_times_s=times,
             median_s=statistics.median(times),
-            mean_s=statistics.fmean(times),
+            mean_s=span / steps,
             min_s=min(times),
             max_s=max(times),
             fwd_bwd_share=(
@@ -684,7 +698,9 @@ def _summarize(args) -> str:
         )
     lines += [
         "",
-        "median step: wall clock per step (synchronized), after warm-up. device idle: 1 - union of "
+        "median step: wall clock per step (its current stream waited for, as a training loop "
+        "reading its loss does), after warm-up; mean: the timed span (every copy waited for at "
+        "its end) / steps. device idle: 1 - union of "
         "kernel time / wall time over the profiled steps (torch.profiler). fwd+bwd share: CUDA "
         "events around forward + backward / step wall time. bytes/step: zenflow stats(), '~' "
         "analytic (ZeRO-Offload: bf16 grads down + bf16 weights up; DeepSpeed ZenFlow: grads down, "
