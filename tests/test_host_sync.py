@@ -123,6 +123,15 @@ def test_a_step_synchronizes_within_its_budget_whatever_the_number_of_weights(st
     assert over == [], f"steps over budget {BUDGETS}: {over}"
 
 
+def test_an_overlapped_window_close_with_device_side_sums_synchronizes_as_an_ordinary_step():
+    """The CPU update that reads the shipped sums is submitted by the copy stream's host thread
+    once they land: the training thread waits only for the step's norm, and a select boundary
+    once more, for its leaving rows. Before: once more each, for the sums' copy."""
+    counted = syncs_by_step(6, copy_stream=False, accumulate_on_device=True)
+    by_kind = {kind: {n for k, n in counted[1:] if k == kind} for kind, _ in counted}
+    assert by_kind == {"ordinary": {1}, "window close": {1}, "select": {2}}
+
+
 @pytest.fixture
 def copies_to_host(monkeypatch):
     """Records the dtype of every copy to the host in ``issued_copies``."""

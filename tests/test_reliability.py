@@ -248,6 +248,40 @@ def test_a_failed_window_sum_stops_the_optimizer():
         opt.flush()
 
 
+@pytest.mark.parametrize("failing", ["job", "submission"])
+def test_a_failed_update_submitted_off_the_training_thread_stops_the_optimizer(
+    monkeypatch, failing
+):
+    """Device-side sums, overlapped: the copy stream's host thread submits a window's CPU
+    update once the shipped sums land. A job that fails there, or a submission that raises,
+    surfaces when the update is applied, a window later, and stops the optimizer."""
+    model = build("mlp")
+    opt = ZenFlowAdamW(
+        model.parameters(),
+        step_backend="eager",
+        overlap_step=True,
+        accumulate_on_device=True,
+        **SETTINGS,
+    )
+    data = batches("mlp", 6)
+    train_steps(model, opt, data[:1])
+    if failing == "job":
+        cpu_adam._inject_failure_for_tests(1)  # the job of the window closing at step 2
+        message = "injected failure"
+    else:
+
+        def refused(*args, **kwargs):
+            raise ValueError("refused by the test")
+
+        monkeypatch.setattr(cpu_adam, "submit_adamw_step", refused)
+        message = "not submitted.*refused by the test"
+    with pytest.raises(cpu_adam.CPUAdamError, match=message):
+        train_steps(model, opt, data[1:6])
+    assert opt.stats()["steps"] == 4  # found failed when applied, at the close of step 4
+    with pytest.raises(RuntimeError, match="earlier step failed"):
+        opt.flush()
+
+
 def test_failure_with_two_param_groups_reloads_exactly():
     def optimizer(model):
         groups = [{"params": model[0].parameters()}, {"params": model[2].parameters()}]

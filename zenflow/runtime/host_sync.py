@@ -70,6 +70,12 @@ class HostSync:
             self._wait_for(mark)
 
     @staticmethod
+    def wait_off_the_training_thread(mark: "torch.cuda.Event | Future | None") -> None:
+        """Wait for one copy on a thread of zenflow's own (the copy stream's host thread):
+        the training thread goes on queueing work meanwhile, so nothing is counted."""
+        HostSync._wait_for([mark] if isinstance(mark, Future) else mark)
+
+    @staticmethod
     def _wait_for(mark) -> None:
         if isinstance(mark, list):
             for job in mark:

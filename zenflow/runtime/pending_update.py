@@ -12,6 +12,7 @@ host rows move once the job is done (``ColumnState.settle``), and the columns th
 selection then hold, in their host rows, the values their parameter columns already have.
 """
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -104,12 +105,38 @@ class CopyBuffers:
         return placed
 
 
+class ShippedJob:
+    """A CPU update submitted by the copy stream's host thread once the device-side sums it
+    reads have landed (``future``: its ``CPUAdamHandle``); waited for and timed as the job
+    itself. A copy or a submission that failed raises ``CPUAdamError`` at ``wait``: the
+    update did not run."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def _job(self) -> cpu_adam.CPUAdamHandle:
+        try:
+            return self._future.result()
+        except cpu_adam.CPUAdamError:
+            raise
+        except Exception as error:
+            raise cpu_adam.CPUAdamError(
+                f"a window's CPU update was not submitted, its sums did not reach the host: {error}"
+            ) from error
+
+    def wait(self) -> None:
+        self._job().wait()
+
+    def seconds(self) -> float:
+        return self._job().seconds()
+
+
 @dataclass
 class PendingUpdate:
     """A submitted CPU update (``handle``; None: finished before a checkpoint was loaded), its
     entries, one per weight, and the buffers its rows were copied into."""
 
-    handle: cpu_adam.CPUAdamHandle | None
+    handle: cpu_adam.CPUAdamHandle | ShippedJob | None
     entries: list[UpdateEntry]
     copies: CopyBuffers | None = None  # what the job copied the entries' rows into
 

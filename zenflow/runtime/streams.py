@@ -38,14 +38,22 @@ from zenflow.runtime.host_sync import HostSync
 
 
 class PendingCopy:
-    """A copy in flight, the ``seq``-th on its stream (none: done when made); ``wait(sync)``
-    returns its host tensor once the copy is done (complete, for a copy to the host; free to
-    write again, for one to the device)."""
+    """A copy in flight, the ``seq``-th on its stream (none: done when made), and what marks
+    its end (its event, or its job on the CPU twin); ``wait(sync)`` returns its host tensor
+    once the copy is done (complete, for a copy to the host; free to write again, for one to
+    the device)."""
 
-    def __init__(self, host: torch.Tensor, stream: "CopyStream | None" = None, seq: int = 0):
+    def __init__(
+        self,
+        host: torch.Tensor,
+        stream: "CopyStream | None" = None,
+        seq: int = 0,
+        mark: "torch.cuda.Event | Future | None" = None,
+    ):
         self._host = host
         self._stream = stream
         self._seq = seq
+        self._mark = mark
 
     def wait(self, sync: HostSync) -> torch.Tensor:
         if self._stream is not None:
@@ -53,12 +61,19 @@ class PendingCopy:
             self._stream = None
         return self._host
 
+    def landed(self) -> torch.Tensor:
+        """``wait`` for a thread other than the training thread (the stream's host thread,
+        ``CopyStream.on_host_thread``): waits for this copy alone, uncounted."""
+        HostSync.wait_off_the_training_thread(self._mark)
+        return self._host
+
 
 class CopyStream:
-    """Owns a device's side stream (or, for the CPU, its worker thread), the number of copies
-    issued on it (``issued``), how many of them are known done (``done_through``), and what
-    waiting for the rest takes: the latest copy's event, or the worker's jobs not yet waited
-    for."""
+    """Owns a device's side stream (or, for the CPU, its worker thread), its host thread (the
+    CPU's worker; on CUDA a thread where work waits for copies off the training thread), the
+    number of copies issued on it (``issued``), how many of them are known done
+    (``done_through``), and what waiting for the rest takes: the latest copy's event, or the
+    worker's jobs not yet waited for."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -101,7 +116,7 @@ class CopyStream:
         if self._stream is None:
             if owned and out is not None:
                 job = self._host_worker().submit(out.copy_, source)
-                return PendingCopy(out, self, self._issue(job))
+                return PendingCopy(out, self, self._issue(job), job)
             # Copied now (a source the caller keeps may change after the call) or not at all
             # (an owned source is its own copy), but issued all the same: waiting for it then
             # counts where a GPU's wait does.
@@ -111,7 +126,8 @@ class CopyStream:
                 host = source.to("cpu", copy=True)
             else:
                 host = out.copy_(source)
-            return PendingCopy(host, self, self._issue(_done()))
+            done = _done()
+            return PendingCopy(host, self, self._issue(done), done)
         snapshot = source if owned else source.clone()
         host = out if out is not None else torch.empty_like(source, device="cpu", pin_memory=True)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -120,7 +136,7 @@ class CopyStream:
             snapshot.record_stream(self._stream)
             event = torch.cuda.Event()
             event.record(self._stream)
-        return PendingCopy(host, self, self._issue(event))
+        return PendingCopy(host, self, self._issue(event), event)
 
     def copy_to_device(self, source: torch.Tensor) -> tuple[torch.Tensor, PendingCopy]:
         """``source`` (host) on the device, for work queued on the current stream from now on,
@@ -131,7 +147,8 @@ class CopyStream:
         stream waits for it on the device, the host thread not at all. CPU: ``source`` itself,
         as the device is the host."""
         if self._stream is None:
-            return source, PendingCopy(source, self, self._issue(_done()))
+            done = _done()
+            return source, PendingCopy(source, self, self._issue(done), done)
         current = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
             # Allocated on the side stream: a block the current stream's queued work still uses
@@ -142,15 +159,23 @@ class CopyStream:
             event.record(self._stream)
         current.wait_event(event)
         device_copy.record_stream(current)
-        return device_copy, PendingCopy(source, self, self._issue(event))
+        return device_copy, PendingCopy(source, self, self._issue(event), event)
+
+    def on_host_thread(self, work) -> Future:
+        """Run ``work()`` on the stream's host thread (its CPU twin's worker, which runs it
+        after the copies issued before it), where it may wait for copies (``landed``) while
+        the training thread goes on; returns its future."""
+        return self._host_worker().submit(work)
 
     def _host_worker(self) -> ThreadPoolExecutor:
-        """The CPU twin of the side stream, started on first use; a forked child (a data-loader
-        worker) starts its own, since the parent's thread does not exist there."""
+        """The stream's host thread (the CPU twin of the side stream), started on first use; a
+        forked child (a data-loader worker) starts its own, since the parent's thread does not
+        exist there."""
         if self._worker is None or self._worker_pid != os.getpid():
+            if self._worker is not None:  # forked: the parent's copies are not ours
+                self.done_through, self._latest = self.issued, None
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenflow-copy")
             self._worker_pid = os.getpid()
-            self.done_through, self._latest = self.issued, None  # a parent's copies are not ours
         return self._worker
 
 

@@ -7,9 +7,16 @@ committed steps). The job also copies the new values, in the same pass, into a b
 parameter's dtype (rounded for a 16-bit model; pinned for any model on a GPU), so that writing
 them back converts and copies nothing on the training thread. A synchronous update is applied
 at once; an overlapped one stays pending until the next window boundary.
+
+With device-side sums the job reads the sums shipped to the host at the close. An overlapped
+update waits for them on the copy stream's host thread and is submitted from there
+(``ShippedJob``): were the training thread to wait, it would stop queueing work until the
+device had finished everything it was given, the sums' copy included, and the device would
+then idle until the next step's work reached it.
 """
 
 import contextlib
+import functools
 
 import torch
 
@@ -17,7 +24,8 @@ from zenflow.runtime import cpu_adam
 from zenflow.runtime.cpu_jobs import CPUJobs
 from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.owned_weight import OwnedWeight
-from zenflow.runtime.pending_update import CopyBuffers, PendingUpdate, UpdateEntry
+from zenflow.runtime.pending_update import CopyBuffers, PendingUpdate, ShippedJob, UpdateEntry
+from zenflow.runtime.streams import PendingCopy, copy_stream
 from zenflow.runtime.window_sum import SumShipment
 
 
@@ -52,15 +60,13 @@ class WindowUpdates:
                 sums.append(window_sum)
                 lasts.append(None if last is None else last.rows)
                 entries.append(UpdateEntry.of(w, copied, window_sum, last))
+        shipping = []
         if weights[0].device_sums:
             shipment = self._shipments.setdefault(weights[0].group_index, SumShipment())
             shipping, sums = shipment.ship(
                 [w.window for w in weights], [w.param.dtype for w in weights]
             )
-            # The pool reads the shipped sums: every copy must have landed (they land in order).
-            for pending in shipping:
-                shipped = pending.wait(self.sync)
-                self.counters["d2h_bytes"] += shipped.numel() * shipped.element_size()
+            self.counters["d2h_bytes"] += sum(s.numel() * s.element_size() for s in sums)
         unselected = [w.state.unselected(w.layout) for w in weights]
         masters, exp_avgs, exp_avg_sqs, steps = (
             list(part) for part in zip(*unselected, strict=True)
@@ -72,9 +78,16 @@ class WindowUpdates:
             **hyper,
         )
         if weights[0].device_sums:
-            handle = cpu_adam.submit_adamw_step(
-                masters, sums, exp_avgs, exp_avg_sqs, grad_scale=1.0 / window_steps, **common
+            submit = functools.partial(
+                cpu_adam.submit_adamw_step,
+                masters,
+                sums,
+                exp_avgs,
+                exp_avg_sqs,
+                grad_scale=1.0 / window_steps,
+                **common,
             )
+            handle = self._submit_once_landed(submit, shipping, weights, background)
         else:
             handle = cpu_adam.submit_boundary_adamw_step(
                 masters, sums, lasts, exp_avgs, exp_avg_sqs, n=window_steps, **common
@@ -83,6 +96,30 @@ class WindowUpdates:
         if background:
             self.pending.append(update)
         return update
+
+    def _submit_once_landed(
+        self,
+        submit,
+        shipping: list[PendingCopy],
+        weights: list[OwnedWeight],
+        background: bool,
+    ) -> "cpu_adam.CPUAdamHandle | ShippedJob":
+        """``submit()`` once every shipped sum has landed (the pool reads them): for an
+        overlapped update whose weights share a device, on that device's copy stream's host
+        thread; otherwise here, waiting for the copies (one counted synchronization: they land
+        in order)."""
+        devices = {w.param.device for w in weights}
+        if background and len(devices) == 1:
+
+            def landed_then_submit():
+                for pending in shipping:
+                    pending.landed()
+                return submit()
+
+            return ShippedJob(copy_stream(devices.pop()).on_host_thread(landed_then_submit))
+        for pending in shipping:
+            pending.wait(self.sync)
+        return submit()
 
     def apply(self, update: PendingUpdate, rewritten=()) -> None:
         """Wait for ``update`` and write its result to the parameters, except for the weights
