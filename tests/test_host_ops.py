@@ -205,3 +205,23 @@ def test_an_ordinary_step_with_device_side_sums_makes_few_tensors_per_weight():
     in buffers kept from step to step. Before: a square root and a product per parameter."""
     assert tensors_made_per_extra_layer(None) == {"_foreach_sqrt": 2.0}
     assert tensors_made_per_extra_layer(True) == {"_foreach_norm": 3.0}
+
+
+def test_a_step_in_two_device_calls_keeps_the_buffers_of_each():
+    """Gradients scaled through ``.grad`` (as an unscaling AMP loop does) give the owned weights
+    another coefficient than the 1-D parameters: the device update runs in two calls, each
+    with buffers of its own kept from step to step. Before: one set for both, remade by each
+    call, every step."""
+    compiled, opt = training(4, True)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    made = []
+    for i in range(max(INSIDE_A_WINDOW) + 1):
+        compiled(x).square().mean().backward()
+        for p in compiled.parameters():
+            p.grad.mul_(0.5)
+        with TensorsMade() as mode:
+            opt.step()
+            opt.zero_grad()
+        if i in INSIDE_A_WINDOW[1:]:
+            made.append(mode.made)
+    assert all(m["empty"] == 0 and m == made[0] for m in made), made

@@ -152,7 +152,8 @@ class Conductor:
         device = trained[0].device if trained else torch.device("cpu")
         self._step_backend = step_backend_for(requested, device)
         self._device_step = compiled_selective_adamw(self._step_backend)
-        # (param group, device) -> the working memory of its device update, for this backend.
+        # (param group, device, role) -> the working memory of its device update, for this
+        # backend.
         self._step_buffers: dict[tuple, StepBuffers] = {}
 
     @contextlib.contextmanager
@@ -459,17 +460,20 @@ class Conductor:
                 hyper["eps"],
                 hyper["weight_decay"],
                 [None] * len(rows) + [v.param.data.view(1, -1) for v in vecs],
-                self._buffers_of(group_index, device),
+                self._buffers_of(group_index, device, role),
             )
             with torch.profiler.record_function("zenflow::write_selected"):
                 for w in rows:
                     self.counters["h2d_bytes"] += w.write_selected()
 
-    def _buffers_of(self, group_index: int, device: torch.device) -> StepBuffers:
-        buffers = self._step_buffers.get((group_index, device))
+    def _buffers_of(self, group_index: int, device: torch.device, role: str) -> StepBuffers:
+        """Kept per role as well: a step whose owned weights' coefficient differs from the
+        1-D parameters' updates them in two calls, each with its own shapes."""
+        key = (group_index, device, role)
+        buffers = self._step_buffers.get(key)
         if buffers is None:
             scratch = self._step_backend == "eager"
-            buffers = self._step_buffers[(group_index, device)] = StepBuffers(scratch)
+            buffers = self._step_buffers[key] = StepBuffers(scratch)
         return buffers
 
     def _device_scalar(

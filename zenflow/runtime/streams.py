@@ -134,7 +134,7 @@ class CopyStream:
         with torch.cuda.stream(self._stream):
             host.copy_(snapshot, non_blocking=True)
             snapshot.record_stream(self._stream)
-            event = torch.cuda.Event()
+            event = _copy_event()
             event.record(self._stream)
         return PendingCopy(host, self, self._issue(event), event)
 
@@ -155,7 +155,7 @@ class CopyStream:
             # cannot be handed out for it.
             device_copy = torch.empty_like(source, device=self.device)
             device_copy.copy_(source, non_blocking=True)
-            event = torch.cuda.Event()
+            event = _copy_event()
             event.record(self._stream)
         current.wait_event(event)
         device_copy.record_stream(current)
@@ -165,6 +165,8 @@ class CopyStream:
         """Run ``work()`` on the stream's host thread (its CPU twin's worker, which runs it
         after the copies issued before it), where it may wait for copies (``landed``) while
         the training thread goes on; returns its future."""
+        if self._stream is not None:
+            work = functools.partial(_on_device, self.device, work)
         return self._host_worker().submit(work)
 
     def _host_worker(self) -> ThreadPoolExecutor:
@@ -177,6 +179,19 @@ class CopyStream:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenflow-copy")
             self._worker_pid = os.getpid()
         return self._worker
+
+
+def _copy_event() -> "torch.cuda.Event":
+    """A copy's end. Blocking: a thread that waits for it sleeps, where it would otherwise spin
+    on a core that the CPU pool or the training thread could use, for as long as a step."""
+    return torch.cuda.Event(blocking=True)
+
+
+def _on_device(device: torch.device, work):
+    """``work()`` on a thread of zenflow's own with ``device`` current, so that the CUDA calls
+    it makes act on that device's context, not the default device's."""
+    torch.cuda.set_device(device)
+    return work()
 
 
 def _done() -> Future:
