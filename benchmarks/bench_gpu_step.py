@@ -487,7 +487,7 @@ def _worker(args, peer: str) -> int:
         record["settings"] = runner.settings
         warmup = args.warmup
         if warmup is None:
-            warmup = 2 * args.update_interval if peer.startswith("zenflow") else 3
+            warmup = 2 * args.update_interval if isinstance(runner, _ZenFlow) else 3
         steps = args.steps
         if steps is None:
             steps = args.select_interval if _runs_cycles(peer) else 16
@@ -567,7 +567,7 @@ def _worker(args, peer: str) -> int:
 
         profile_steps = args.profile_steps
         if profile_steps is None:
-            profile_steps = args.select_interval if peer.startswith("zenflow") else 4
+            profile_steps = args.select_interval if isinstance(runner, _ZenFlow) else 4
         if device.type == "cuda" and profile_steps > 0:
             record["profile"] = _profile(runner, batches, device, profile_steps)
             idle = record["profile"]["idle_fraction"]

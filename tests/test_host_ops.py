@@ -112,6 +112,11 @@ def per_extra_layer(device_sums: bool | None, counted_part: str, **at) -> dict[s
     """The operations that 10 layers dispatch beyond 4, per extra layer (``at``: ``ops_at``'s
     steps and select_interval)."""
     few, many = (collections.Counter(ops_at(n, device_sums, counted_part, **at)) for n in (4, 10))
+    return _per_extra_layer(few, many)
+
+
+def _per_extra_layer(few: collections.Counter, many: collections.Counter) -> dict[str, float]:
+    """What 10 layers count beyond 4 (``many`` against ``few``), per extra layer."""
     return {op: (many[op] - few[op]) / 6 for op in many | few if many[op] != few[op]}
 
 
@@ -194,8 +199,7 @@ def tensors_made_per_extra_layer(device_sums: bool | None) -> dict[str, float]:
                 counted.append(mode.made)
         assert all(c == counted[0] for c in counted), "steps of one kind make alike"
         made.append(counted[0])
-    few, many = made
-    return {op: (many[op] - few[op]) / 6 for op in many | few if many[op] != few[op]}
+    return _per_extra_layer(*made)
 
 
 def test_an_ordinary_step_with_device_side_sums_makes_few_tensors_per_weight():

@@ -47,7 +47,12 @@ class StepBuffers:
         self.updates: list[torch.Tensor] | None = None
 
     def advance(
-        self, rows: list[torch.Tensor], steps: list[torch.Tensor], lr, beta1: float, beta2: float
+        self,
+        rows: list[torch.Tensor],
+        steps: list[torch.Tensor],
+        lr: torch.Tensor,
+        beta1: float,
+        beta2: float,
     ) -> None:
         """Fit the buffers to ``rows`` (the masters), advance every row's step count and set,
         per tensor, each row's step size ``lr / (1 - beta1**step)`` and
