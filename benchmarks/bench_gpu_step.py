@@ -32,7 +32,8 @@ a process group, a compile cache in memory or CPU threads):
   zenflow-hostsum  (optional) zenflow with accumulate_on_device false: window sums on the host
   zenflow-offload  (optional) zenflow with topk 0, update_interval 1: ZeRO-Offload through zenflow
 
-Measured per row, after --warmup steps (zenflow: two windows, which include compilation; else 3):
+Measured per row, after --warmup steps (the zenflow rows and DeepSpeed's ZenFlow: two windows,
+which include compilation and DeepSpeed's worker start; else 3):
   step time   over --steps steps (the zenflow rows and DeepSpeed's ZenFlow: a select interval,
               so that the mean is over a whole select cycle: any select_interval consecutive
               steps of the schedule hold one select boundary and every window close of a cycle;
@@ -95,7 +96,9 @@ def _args(argv=None):
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="cuda: bf16")
     parser.add_argument("--update-interval", type=int, default=None, help="zenflow rows (8)")
     parser.add_argument("--select-interval", type=int, default=None, help="zenflow rows (64)")
-    parser.add_argument("--warmup", type=int, default=None, help="zenflow 2 windows, else 3")
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="zenflow rows and ds-zenflow 2 windows, else 3"
+    )
     parser.add_argument(
         "--steps", type=int, default=None, help="timed steps (zenflow rows a select interval, 16)"
     )
@@ -487,7 +490,9 @@ def _worker(args, peer: str) -> int:
         record["settings"] = runner.settings
         warmup = args.warmup
         if warmup is None:
-            warmup = 2 * args.update_interval if isinstance(runner, _ZenFlow) else 3
+            # DeepSpeed's ZenFlow starts its CPU optimizer's worker at its first window close
+            # (seconds on the CPU): two windows keep that out of the timed steps, as for ours.
+            warmup = 2 * args.update_interval if _runs_cycles(peer) else 3
         steps = args.steps
         if steps is None:
             steps = args.select_interval if _runs_cycles(peer) else 16
@@ -596,6 +601,35 @@ def _mb(n) -> str:
     return f"{n / 2**20:.0f} MB" if n >= 2**20 or n == 0 else f"{n / 2**10:.1f} KB"
 
 
+def _zenflow_work(name: str, record: dict) -> str:
+    """A zenflow row's CPU work over its timed steps, and whether the CPU's pass per window
+    bounds the step: the pass runs beside the window's steps, so a pass longer than the
+    window's time on the device makes the training thread wait for it at the next boundary,
+    whatever the device does (the env stage's host memory bandwidth tells why)."""
+    counted = record["counters"]
+    text = f"{name} over the timed steps: " + ", ".join(
+        f"{key} {counted[key]:.3f}" if isinstance(counted[key], float) else f"{key} {counted[key]}"
+        for key in (
+            "cpu_updates",
+            "reselections",
+            "optimizer_wait_s",
+            "cpu_adam_s",
+            "cpu_accumulate_s",
+        )
+        if key in counted
+    )
+    interval = (record.get("settings") or {}).get("update_interval")
+    if counted.get("cpu_updates") and interval and record.get("mean_s"):
+        cpu_pass = counted.get("cpu_adam_s", 0.0) / counted["cpu_updates"]
+        window = interval * record["mean_s"]
+        verdict = "the host bounds the step" if cpu_pass > window else "within the window"
+        text += (
+            f"; CPU pass per window {1000 * cpu_pass:.0f} ms against the window's "
+            f"{1000 * window:.0f} ms (update_interval x mean step): {verdict}"
+        )
+    return text
+
+
 def _summarize(args) -> str:
     out = Path(args.out)
     records = {}
@@ -679,23 +713,9 @@ def _summarize(args) -> str:
                 f"{name} host ms per step by phase (profiled, nested): "
                 + ", ".join(f"{key} {ms:.1f}" for key, ms in phases)
             )
-    zen = records.get("zenflow", {}).get("counters")
-    if zen:
-        lines.append("")
-        lines.append(
-            "zenflow over the timed steps: "
-            + ", ".join(
-                f"{k} {zen[k]:.3f}" if isinstance(zen[k], float) else f"{k} {zen[k]}"
-                for k in (
-                    "cpu_updates",
-                    "reselections",
-                    "optimizer_wait_s",
-                    "cpu_adam_s",
-                    "cpu_accumulate_s",
-                )
-                if k in zen
-            )
-        )
+    for name, r in records.items():
+        if name.startswith("zenflow") and r.get("counters"):
+            lines += ["", _zenflow_work(name, r)]
     lines += [
         "",
         "median step: wall clock per step (its current stream waited for, as a training loop "
