@@ -361,20 +361,9 @@ def _profile(runner, batches, device, steps: int) -> dict:
             runner.optimizer_step()
         _sync(device)
         wall = time.perf_counter() - started
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f).get("traceEvents", [])
-    # Kineto's categories: "kernel", "gpu_memset", "gpu_memcpy" (older: "Kernel", "Memset",
-    # "Memcpy"); memcpy records carry args["bytes"].
-    timed = [e for e in events if "dur" in e and "ts" in e and isinstance(e.get("cat"), str)]
-    kernels = [
-        (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-        for e in timed
-        if e["cat"].lower() == "kernel" or "memset" in e["cat"].lower()
-    ]
-    copies = [e for e in timed if "memcpy" in e["cat"].lower()]
+    events = _trace_events(prof)
+    kernels = _kernel_intervals(events)
+    copies = [e for e in events if "memcpy" in e["cat"].lower()]
     copy_intervals = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in copies]
 
     def moved(kind: str):
@@ -396,23 +385,115 @@ def _profile(runner, batches, device, steps: int) -> dict:
     )
 
 
-def _phases(runner, batches, device, steps: int) -> dict:
-    """zenflow's step phases (its ``zenflow::`` profiler ranges): host milliseconds per step
-    over ``steps`` further steps, a separate trace with CPU activity (which slows the host, so
-    it stays out of the idle measurement)."""
-    from torch.profiler import ProfilerActivity, profile
+def _trace_events(prof) -> list[dict]:
+    """A profile's timed events (chrome trace, timestamps in microseconds)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    return [e for e in events if "dur" in e and "ts" in e and isinstance(e.get("cat"), str)]
 
+
+def _kernel_intervals(events: list[dict]) -> list[tuple[float, float]]:
+    """When the device computed: kernels and memsets (Kineto's categories "kernel" and
+    "gpu_memset"; older: "Kernel", "Memset"). Copies do not count: a device whose SMs wait
+    for a transfer is stalled."""
+    return [
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        for e in events
+        if e["cat"].lower() == "kernel" or "memset" in e["cat"].lower()
+    ]
+
+
+def _idle_by_range(kernels, ranges, span) -> dict[str, float]:
+    """The device's idle time within ``span`` (start, end), split by the host range opened last
+    among those open at each moment ("no range" where none is): what the host was doing while
+    the device waited. ``kernels``: the device's busy intervals (start, end); ``ranges``:
+    profiler ranges (start, end, name), nested as record_function nests them (a range that
+    ends inside a later one stops counting when it ends). Times in the units given."""
+    gaps, cursor = [], span[0]
+    for start, end in sorted(kernels):
+        if start > cursor:
+            gaps.append((cursor, min(start, span[1])))
+        cursor = max(cursor, end)
+        if cursor >= span[1]:
+            break
+    if cursor < span[1]:
+        gaps.append((cursor, span[1]))
+    gaps = [(a, b) for a, b in gaps if b > a]
+    opened = sorted((r for r in ranges if r[1] > r[0]), key=lambda r: (r[0], -r[1]))
+    points = sorted(
+        {t for r in opened for t in r[:2] if span[0] < t < span[1]}
+        | {t for gap in gaps for t in gap}
+        | set(span)
+    )
+    idle: dict[str, float] = {}
+    stack, next_range, next_gap = [], 0, 0
+    for a, b in zip(points, points[1:], strict=False):
+        while stack and stack[-1][1] <= a:
+            stack.pop()
+        while next_range < len(opened) and opened[next_range][0] <= a:
+            if opened[next_range][1] > a:
+                stack.append(opened[next_range])
+            next_range += 1
+        while next_gap < len(gaps) and gaps[next_gap][1] <= a:
+            next_gap += 1
+        if next_gap < len(gaps) and gaps[next_gap][0] <= a:
+            name = stack[-1][2] if stack else "no range"
+            idle[name] = idle.get(name, 0.0) + (b - a)
+    return idle
+
+
+def _idle_split(events: list[dict], steps: int) -> dict[str, float]:
+    """Device-idle milliseconds per step by the innermost ``bench::`` or ``zenflow::`` range
+    open on the host (``_idle_by_range``), over the span of those ranges in a trace."""
+    # Every thread's ranges: a GPU's backward runs on autograd's device thread, whose zenflow
+    # operations (the hand-over of each weight's gradient, "cpu_op" events) fall inside the
+    # training thread's bench::forward_backward.
+    ranges = [
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"])
+        for e in events
+        if e["name"].startswith(("bench::", "zenflow::"))
+        and e["cat"] in ("user_annotation", "cpu_op")
+    ]
+    span = (min(r[0] for r in ranges), max(r[1] for r in ranges))
+    idle = _idle_by_range(_kernel_intervals(events), ranges, span)
+    return {name: us / 1000 / steps for name, us in idle.items()}
+
+
+def _phases(runner, batches, device, steps: int) -> dict:
+    """zenflow's step phases over ``steps`` further steps, a separate trace with CPU activity
+    (which slows the host, so it stays out of the idle measurement): ``host_ms`` per step in
+    each ``zenflow::`` profiler range, and on a GPU ``device_idle_ms`` per step by the host range
+    open while the device idled (``bench::forward_backward`` and ``bench::step`` around the
+    step's two halves, zenflow's ranges inside them)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
     _sync(device)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=activities) as prof:
         for i in range(steps):
-            runner.forward_backward(*batches[i % len(batches)])
-            runner.optimizer_step()
+            with record_function("bench::forward_backward"):
+                runner.forward_backward(*batches[i % len(batches)])
+            with record_function("bench::step"):
+                runner.optimizer_step()
         _sync(device)
-    return {
-        event.key: event.cpu_time_total / 1000 / steps
-        for event in prof.key_averages()
-        if event.key.startswith("zenflow::")
-    }
+    phases = dict(
+        host_ms={
+            event.key: event.cpu_time_total / 1000 / steps
+            for event in prof.key_averages()
+            if event.key.startswith("zenflow::")
+        }
+    )
+    if device.type == "cuda":
+        try:
+            phases["device_idle_ms"] = _idle_split(_trace_events(prof), steps)
+        except Exception as error:  # a diagnostic: the row's timings stand without it
+            phases["device_idle_error"] = f"{type(error).__name__}: {error}"
+    return phases
 
 
 def _write_json(path: Path, record: dict) -> None:
@@ -579,7 +660,7 @@ def _worker(args, peer: str) -> int:
             print(f"[{peer}] device idle over {profile_steps} profiled steps: {idle}", flush=True)
         if runner.counters() and profile_steps > 0:
             phase_steps = min(profile_steps, PHASE_STEPS)
-            record["phases_ms_per_step"] = _phases(runner, batches, device, phase_steps)
+            record["phases"] = _phases(runner, batches, device, phase_steps)
             _write_json(path, record)
         record.update(status="done", total_s=time.perf_counter() - started)
         _write_json(path, record)
@@ -599,6 +680,13 @@ def _mb(n) -> str:
     if n is None:
         return "n/a"
     return f"{n / 2**20:.0f} MB" if n >= 2**20 or n == 0 else f"{n / 2**10:.1f} KB"
+
+
+def _by_size(ms: dict[str, float]) -> str:
+    """ "name 1.2, other 0.4": largest first."""
+    return ", ".join(
+        f"{key} {value:.1f}" for key, value in sorted(ms.items(), key=lambda kv: -kv[1])
+    )
 
 
 def _zenflow_work(name: str, record: dict) -> str:
@@ -707,12 +795,19 @@ def _summarize(args) -> str:
         if r.get("step_kinds") and _by_kind(r):
             lines.append("")
             lines.append(f"{name} median step by kind (count): {_by_kind(r)}")
-        if r.get("phases_ms_per_step"):
-            phases = sorted(r["phases_ms_per_step"].items(), key=lambda kv: -kv[1])
+        phases = r.get("phases") or {}
+        if phases.get("host_ms"):
             lines.append(
                 f"{name} host ms per step by phase (profiled, nested): "
-                + ", ".join(f"{key} {ms:.1f}" for key, ms in phases)
+                + _by_size(phases["host_ms"])
             )
+        if phases.get("device_idle_ms"):
+            lines.append(
+                f"{name} device idle ms per step by the host range open at the time (profiled "
+                "with CPU activity, innermost range): " + _by_size(phases["device_idle_ms"])
+            )
+        if phases.get("device_idle_error"):
+            lines.append(f"{name} device idle by host range failed: {phases['device_idle_error']}")
     for name, r in records.items():
         if name.startswith("zenflow") and r.get("counters"):
             lines += ["", _zenflow_work(name, r)]

@@ -429,7 +429,7 @@ def test_the_step_shows_its_phases_in_a_profiler_trace():
         train(model, opt, data[8:])
     names = {event.key for event in prof.key_averages()}
     phases = ["step", "gradient_norm", "reselect", "device_update", "window_sums", "cpu_update"]
-    for phase in phases + ["write_back"]:
+    for phase in phases + ["write_back", "wait_for_device"]:
         assert f"zenflow::{phase}" in names
 
 
