@@ -658,7 +658,9 @@ def _worker(args, peer: str) -> int:
             record["profile"] = _profile(runner, batches, device, profile_steps)
             idle = record["profile"]["idle_fraction"]
             print(f"[{peer}] device idle over {profile_steps} profiled steps: {idle}", flush=True)
-        if runner.counters() and profile_steps > 0:
+        # zenflow's phases, and AdamW's for the idle split to compare with (DeepSpeed's steps
+        # are too long to trace with CPU activity inside their stages' limits).
+        if (runner.counters() or isinstance(runner, _AdamW)) and profile_steps > 0:
             phase_steps = min(profile_steps, PHASE_STEPS)
             record["phases"] = _phases(runner, batches, device, phase_steps)
             _write_json(path, record)
@@ -792,22 +794,23 @@ def _summarize(args) -> str:
             + " |"
         )
     for name, r in records.items():
+        about = []
         if r.get("step_kinds") and _by_kind(r):
-            lines.append("")
-            lines.append(f"{name} median step by kind (count): {_by_kind(r)}")
+            about.append(f"{name} median step by kind (count): {_by_kind(r)}")
         phases = r.get("phases") or {}
         if phases.get("host_ms"):
-            lines.append(
+            about.append(
                 f"{name} host ms per step by phase (profiled, nested): "
                 + _by_size(phases["host_ms"])
             )
         if phases.get("device_idle_ms"):
-            lines.append(
+            about.append(
                 f"{name} device idle ms per step by the host range open at the time (profiled "
                 "with CPU activity, innermost range): " + _by_size(phases["device_idle_ms"])
             )
         if phases.get("device_idle_error"):
-            lines.append(f"{name} device idle by host range failed: {phases['device_idle_error']}")
+            about.append(f"{name} device idle by host range failed: {phases['device_idle_error']}")
+        lines += [""] + about if about else []
     for name, r in records.items():
         if name.startswith("zenflow") and r.get("counters"):
             lines += ["", _zenflow_work(name, r)]

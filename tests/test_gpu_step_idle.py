@@ -2,7 +2,9 @@
 (``benchmarks/bench_gpu_step.py``), on a synthetic trace: its inputs are plain intervals, so
 the arithmetic is checked here where no GPU is."""
 
+import argparse
 import importlib.util
+import json
 
 import pytest
 
@@ -40,3 +42,25 @@ def test_ranges_of_two_threads_that_overlap_count_the_later_one_until_it_ends(be
 def test_a_device_busy_throughout_has_no_idle_time(bench_gpu_step):
     idle = bench_gpu_step._idle_by_range([(-5, 20), (20, 60)], [(0, 50, "step")], (0, 50))
     assert idle == {}
+
+
+def test_the_table_reports_each_rows_idle_split_largest_first(bench_gpu_step, tmp_path):
+    """As a GPU run writes it: a row's split into its JSON file, the table from the files."""
+    record = dict(
+        peer="adamw",
+        status="done",
+        steps=4,
+        median_s=0.03,
+        mean_s=0.03,
+        step_times_s=[0.03] * 4,
+        phases=dict(device_idle_ms={"bench::step": 1.25, "bench::forward_backward": 7.5}),
+    )
+    (tmp_path / "bench_adamw.json").write_text(json.dumps(record))
+    failed = dict(record, peer="zenflow", phases=dict(device_idle_error="KeyError: 'ts'"))
+    (tmp_path / "bench_zenflow.json").write_text(json.dumps(failed))
+    table = bench_gpu_step._summarize(argparse.Namespace(out=str(tmp_path)))
+    assert (
+        "adamw device idle ms per step by the host range open at the time (profiled with CPU "
+        "activity, innermost range): bench::forward_backward 7.5, bench::step 1.2\n"
+    ) in table
+    assert "zenflow device idle by host range failed: KeyError: 'ts'\n" in table
