@@ -1,6 +1,7 @@
-"""The GPU check's split of device-idle time by what the host was doing
-(``benchmarks/bench_gpu_step.py``), on a synthetic trace: its inputs are plain intervals, so
-the arithmetic is checked here where no GPU is."""
+"""What the GPU check's timing script (``benchmarks/bench_gpu_step.py``) reports from its rows'
+records and traces, on records and intervals made here: the device-idle time split by what the
+host was doing, and which rows claim a ratio. Only a GPU makes such traces; the arithmetic and
+the table are checked here where no GPU is."""
 
 import argparse
 import importlib.util
@@ -64,3 +65,40 @@ def test_the_table_reports_each_rows_idle_split_largest_first(bench_gpu_step, tm
         "activity, innermost range): bench::forward_backward 7.5, bench::step 1.2\n"
     ) in table
     assert "zenflow device idle by host range failed: KeyError: 'ts'\n" in table
+
+
+def _row(peer: str, mean_s: float, status: str, timings_valid: bool) -> dict:
+    return dict(
+        peer=peer,
+        status=status,
+        steps=4,
+        median_s=mean_s,
+        mean_s=mean_s,
+        step_times_s=[mean_s] * 4,
+        timings_valid=timings_valid,
+    )
+
+
+def _ratios(bench_gpu_step, out, *rows: dict) -> dict[str, str]:
+    """The table's last column by row, from the rows' records written as a GPU run does."""
+    for record in rows:
+        (out / f"bench_{record['peer']}.json").write_text(json.dumps(record))
+    table = bench_gpu_step._summarize(argparse.Namespace(out=str(out)))
+    cells = [line.strip("| ").split(" | ") for line in table.splitlines() if line.startswith("| ")]
+    return {cell[0]: cell[-1] for cell in cells if cell[0] not in ("row", "---")}
+
+
+def test_a_row_cut_short_while_profiling_keeps_its_ratio_and_one_that_failed_its_check_has_none(
+    bench_gpu_step, tmp_path
+):
+    """A row's ratio to zenflow comes from its timed steps once they are checked: a row cut by
+    its stage's limit while it was being profiled keeps it; a zenflow row whose timed steps
+    did not do zenflow's work (recorded, then failed) claims none, for itself or the others."""
+    cut = _row("zenflow", 0.04, "cut at 75s after 'timed'", timings_valid=True)
+    adamw = _row("adamw", 0.03, "done", timings_valid=True)
+    unchecked = _row("zenflow-hostsum", 0.05, "failed", timings_valid=False)
+    ratios = _ratios(bench_gpu_step, tmp_path, cut, adamw, unchecked)
+    assert ratios == {"zenflow": "1.00x", "adamw": "0.75x", "zenflow-hostsum": "n/a"}
+    failed = dict(cut, status="failed", timings_valid=False)
+    ratios = _ratios(bench_gpu_step, tmp_path, failed)
+    assert ratios == {"zenflow": "n/a", "adamw": "n/a", "zenflow-hostsum": "n/a"}
