@@ -285,9 +285,11 @@ def test_runtime_options_on_cuda_equal_reference(cuda_fp32, settings):
         assert all(s.device.type == "cuda" for s in sums if s is not None)
 
 
-def test_gradient_accumulation_on_cuda_equals_reference(cuda_fp32):
-    """Three micro-batches per step: every micro-batch's unselected rows take the copy stream to
-    the host, a later one's added into the staged sum once landed."""
+@pytest.mark.parametrize("device_sums", [False, True], ids=["host-sums", "device-sums"])
+def test_gradient_accumulation_on_cuda_equals_reference(cuda_fp32, device_sums):
+    """Three micro-batches per step: with host-side sums every micro-batch's unselected rows
+    take the copy stream to the host, a later one's added into the staged sum once landed;
+    with device-side sums ("auto"'s choice on one GPU) they add up on the device."""
     data = on(cuda_fp32, batches("mlp", 12))
 
     def run(model, opt):
@@ -298,20 +300,23 @@ def test_gradient_accumulation_on_cuda_equals_reference(cuda_fp32):
             opt.step()
 
     model = build("mlp").to(cuda_fp32)
-    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **SCHEDULE)
+    opt = ZenFlowAdamW(
+        model.parameters(), step_backend="eager", accumulate_on_device=device_sums, **SCHEDULE
+    )
     run(torch.compile(model, backend="zenflow", options={"inner": "eager"}), opt)
     oracle_model = build("mlp").to(cuda_fp32)
     run(oracle_model, ReferenceZenFlowAdamW(oracle_model.parameters(), **SCHEDULE))
     assert_close(list(model.parameters()), list(oracle_model.parameters()), **GPU_TOL)
 
 
-def test_overlapped_result_is_not_overwritten_while_its_copy_is_in_flight(cuda_fp32):
-    """overlap_step with fp32 weights on a busy device.
+@pytest.mark.parametrize("device_sums", [False, True], ids=["host-sums", "device-sums"])
+def test_overlapped_result_is_not_overwritten_while_its_copy_is_in_flight(cuda_fp32, device_sums):
+    """overlap_step with fp32 weights on a busy device, the window sums on either side.
 
     At a window boundary the optimizer applies the previous window's CPU result (a copy from
-    the pinned host master to the device, queued on the current stream) and then submits the
-    next CPU update, which rewrites the same host master. The copy must read the values as
-    they were when it was queued. A spin kernel after each device update keeps the stream busy,
+    pinned host memory to the device, queued on the current stream) and then submits the next
+    CPU update, which rewrites the host rows that copy may read. The copy must read the values
+    as they were when it was queued. A spin kernel after each device update keeps the stream busy,
     so a copy that is still in flight when the CPU update starts would deliver the next
     window's values one window early, and the run would leave the oracle. (update_interval 2,
     select_interval 8: each select cycle has background windows with a result pending.)
@@ -319,7 +324,9 @@ def test_overlapped_result_is_not_overwritten_while_its_copy_is_in_flight(cuda_f
     settings = dict(update_interval=2, select_interval=8, overlap_step=True)
     hyper = {**SCHEDULE, **settings}
     model = build("mlp").to(cuda_fp32)
-    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **hyper)
+    opt = ZenFlowAdamW(
+        model.parameters(), step_backend="eager", accumulate_on_device=device_sums, **hyper
+    )
     write_selected = OwnedWeight.write_selected
 
     def slow_write_selected(self):
@@ -420,13 +427,15 @@ def test_steps_from_the_first_selection_past_a_select_boundary_synchronize_only_
     """Under set_sync_debug_mode("error") any synchronization outside zenflow's helper raises:
     the first selection (the staged rows re-split, nothing leaving), ordinary and
     window-closing steps, a select boundary (scores read, leaving rows sent on the copy
-    stream, index tensors through pinned memory) and the step after it run through; with
-    ``offload`` the selected rows cross to the host on the copy stream every step."""
+    stream, index tensors through pinned memory), the step after it, and the window close
+    after that, which applies the update submitted at the boundary (the leaving rows landed,
+    the new layout's columns written) run through; with ``offload`` the selected rows cross
+    to the host on the copy stream every step."""
     settings = dict(SCHEDULE, select_interval=8, overlap_step=True) | settings
     model = build("mlp").to(cuda_fp32)
     opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **settings)
     compiled = torch.compile(model, backend="zenflow", options={"inner": "eager"})
-    for step, (inputs, targets) in enumerate(on(cuda_fp32, batches("mlp", 9))):
+    for step, (inputs, targets) in enumerate(on(cuda_fp32, batches("mlp", 10))):
         opt.zero_grad()
         loss_of("mlp", compiled, inputs, targets).backward()  # compiles at the first step
         before = opt.stats()["device_syncs"]
@@ -436,7 +445,7 @@ def test_steps_from_the_first_selection_past_a_select_boundary_synchronize_only_
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert opt.stats()["device_syncs"] - before <= (8 if step in (0, 7) else 2), step
-    assert opt.stats()["cpu_updates"] == 4 and opt.stats()["reselections"] == 2
+    assert opt.stats()["cpu_updates"] == 5 and opt.stats()["reselections"] == 2
 
 
 # NCCL with one rank.

@@ -192,3 +192,20 @@ def test_a_window_close_sends_every_weights_new_columns_in_one_copy(monkeypatch,
     for step, ((kind, _), copied) in enumerate(zip(kinds, few, strict=True)):
         applies = kind != "ordinary" and step >= 3
         assert copied == ([torch.bfloat16] if applies else []), (step, kind)
+
+
+def test_training_on_the_cpu_never_starts_cuda_on_a_machine_with_a_gpu(monkeypatch):
+    """Every counted synchronization of a CPU-only run leaves CUDA alone: starting it would
+    put a context on GPU 0 (hundreds of MB) and fail in a forked child of a process that
+    started it. Stood in for here: CUDA reported available, and the calls that start it (the
+    sync debug mode's) raising."""
+
+    def starts_cuda(*args):
+        raise AssertionError("a CPU-only run started CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", starts_cuda)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", starts_cuda)
+    kinds = syncs_by_step(3, copy_stream=True)
+    assert {kind for kind, _ in kinds} >= {"select", "window close", "ordinary"}
+    assert sum(count for _, count in kinds) > 0

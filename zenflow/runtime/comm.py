@@ -88,8 +88,18 @@ class DataParallel:
         if self.world_size > 1:
             work = self._all_reduced(tensor)
             if work is not tensor:
-                tensor.copy_(work)
+                tensor.copy_(self._where(work, tensor))
         return tensor
+
+    def _where(self, result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A collective's ``result`` on ``like``'s device. A host tensor's result that NCCL
+        computed on the GPU is read back through the counted helper: the host waits for it."""
+        if result.device == like.device:
+            return result
+        if like.device.type == "cpu":
+            (result,) = self.sync.to_host([result])
+            return result
+        return result.to(like.device)
 
     def sum_over_ranks(self, parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
         """Each of ``parts`` (1-D, fp32, on the host or ``device``) summed over ranks, on
@@ -144,7 +154,7 @@ class DataParallel:
             padded,
             group=self.group,
         )
-        return (out[: counts[self.rank]] / self.world_size).to(rows.device).contiguous()
+        return self._where(out[: counts[self.rank]] / self.world_size, rows).contiguous()
 
     def all_gather_rows(self, mine: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Every rank's chunk, concatenated in rank order."""
@@ -163,7 +173,7 @@ class DataParallel:
             group=self.group,
         )
         chunks = [gathered[r * width : r * width + c] for r, c in enumerate(counts)]
-        return torch.cat(chunks).to(mine.device)
+        return self._where(torch.cat(chunks), mine)
 
 
 def _route_host_tensors_for_tests(device: torch.device | None) -> None:

@@ -33,7 +33,9 @@ class HostSync:
         # here apart from the host's work around it.
         self.count += 1
         with torch.profiler.record_function("zenflow::wait_for_device"):
-            if not torch.cuda.is_available():
+            # Not started, no CUDA work to wait for: reading the debug mode would start CUDA
+            # (a context on GPU 0 for a CPU-only run, an error in a forked child).
+            if not torch.cuda.is_initialized():
                 yield
                 return
             mode = torch.cuda.get_sync_debug_mode()
