@@ -688,7 +688,7 @@ def _mb(n) -> str:
 
 
 def _by_size(ms: dict[str, float]) -> str:
-    """ "name 1.2, other 0.4": largest first."""
+    """Largest first, one decimal: "name 1.2, other 0.4"."""
     return ", ".join(
         f"{key} {value:.1f}" for key, value in sorted(ms.items(), key=lambda kv: -kv[1])
     )
