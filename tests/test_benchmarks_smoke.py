@@ -81,11 +81,12 @@ def test_bench_host_ops_quick():
 
 
 def test_bench_gpu_step_quick_on_cpu(tmp_path):
-    """The GPU check's timing script, its zenflow rows and the peer without offload, through
-    the same code on the CPU: each row checks that its timed steps did zenflow's work (a
-    select cycle: two CPU updates, one reselection) and the table reports each zenflow row's
-    CPU pass per window against the window's time."""
-    rows = ("zenflow", "zenflow-hostsum", "adamw")
+    """The GPU check's timing script, its zenflow row and the peer without offload, through
+    the same code on the CPU: the zenflow row checks that its timed steps did zenflow's work
+    (a select cycle: two CPU updates, one reselection) and the table reports its CPU pass per
+    window against the window's time. (The zenflow-hostsum row differs only on a GPU: on the
+    CPU "auto" keeps the sums on the host too.)"""
+    rows = ("zenflow", "adamw")
     out = _run(
         "bench_gpu_step.py", "--device", "cpu", "--out", str(tmp_path), "--peers", ",".join(rows)
     )
@@ -95,7 +96,6 @@ def test_bench_gpu_step_quick_on_cpu(tmp_path):
         record = json.loads((tmp_path / f"bench_{row}.json").read_text())
         assert record["status"] == "done", record.get("error")
         assert f"\n| {row} | done |" in table
-    for row in rows[:2]:
-        (work,) = [line for line in table.splitlines() if line.startswith(f"{row} over the timed")]
-        assert "cpu_updates 2, reselections 1" in work
-        assert "CPU pass per window" in work and "(update_interval x mean step)" in work
+    (work,) = [line for line in table.splitlines() if line.startswith("zenflow over the timed")]
+    assert "cpu_updates 2, reselections 1" in work
+    assert "CPU pass per window" in work and "(update_interval x mean step)" in work
