@@ -46,6 +46,8 @@
 #   summary   (reserved 10 s) the table of every row that finished, RESULTS_DIR/bench.md
 # Results, written stage by stage so that a run cut short still reports: RESULTS_DIR/summary.md
 # (one line per stage: result and seconds), <stage>.log, tests.xml, bench_<row>.json, bench.md.
+# GPU_CHECK_BENCH_OPTIONS adds options to every bench_gpu_step.py row, for a rerun within the same
+# lease (e.g. GPU_CHECK_STAGES=zenflow GPU_CHECK_BENCH_OPTIONS="--profile-steps 16").
 # GPU_CHECK_TAR=FILE also packs RESULTS_DIR into FILE after every stage (the device tool brings
 # back at most 8 files).
 set -uo pipefail
@@ -187,7 +189,9 @@ hand_over() {
 bench() { # bench ROW [OPTIONS...]
     local row=$1
     shift
-    "$PYTHON" benchmarks/bench_gpu_step.py --device cuda --out "$RES" --peers "$row" "$@"
+    # shellcheck disable=SC2086  # the options are words to split
+    "$PYTHON" benchmarks/bench_gpu_step.py --device cuda --out "$RES" --peers "$row" "$@" \
+        ${GPU_CHECK_BENCH_OPTIONS:-}
 }
 
 export -f env_info install ds_cpu_adam_build tests hand_over bench
