@@ -88,10 +88,10 @@ class DataParallel:
         if self.world_size > 1:
             work = self._all_reduced(tensor)
             if work is not tensor:
-                tensor.copy_(self._where(work, tensor))
+                tensor.copy_(self._on_device_of(work, tensor))
         return tensor
 
-    def _where(self, result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    def _on_device_of(self, result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """A collective's ``result`` on ``like``'s device. A host tensor's result that NCCL
         computed on the GPU is read back through the counted helper: the host waits for it."""
         if result.device == like.device:
@@ -154,7 +154,7 @@ class DataParallel:
             padded,
             group=self.group,
         )
-        return self._where(out[: counts[self.rank]] / self.world_size, rows).contiguous()
+        return self._on_device_of(out[: counts[self.rank]] / self.world_size, rows).contiguous()
 
     def all_gather_rows(self, mine: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Every rank's chunk, concatenated in rank order."""
@@ -173,7 +173,7 @@ class DataParallel:
             group=self.group,
         )
         chunks = [gathered[r * width : r * width + c] for r, c in enumerate(counts)]
-        return self._where(torch.cat(chunks), mine)
+        return self._on_device_of(torch.cat(chunks), mine)
 
 
 def _route_host_tensors_for_tests(device: torch.device | None) -> None:
