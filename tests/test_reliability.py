@@ -235,15 +235,18 @@ def test_worker_failure_in_flush_is_remembered():
 
 
 def test_a_failed_window_sum_stops_the_optimizer():
-    # Overlapped: a failed update would surface a window later; the sum fails at the next step.
+    # Overlapped: a failed update would surface a window later; the sum fails sooner. A step
+    # collects a queued sum once the pool has finished it, and waits for it once another one
+    # queues behind it: at step 4 if the pool is done by then, at step 6 at the latest (step 4
+    # folds its rows into the window's update, step 5 queues its sum).
     model = build("mlp")
     opt = ZenFlowAdamW(model.parameters(), step_backend="eager", overlap_step=True, **SETTINGS)
-    data = batches("mlp", 4)
+    data = batches("mlp", 6)
     train_steps(model, opt, data[:2])  # windows of 2: the first closes at step 2
     cpu_adam._inject_failure_for_tests(1)
     train_steps(model, opt, data[2:3])  # step 3's sum is queued on the pool, and fails there
     with pytest.raises(cpu_adam.CPUAdamError, match="injected failure"):
-        train_steps(model, opt, data[3:4])
+        train_steps(model, opt, data[3:6])
     with pytest.raises(RuntimeError, match="earlier step failed.*injected failure"):
         opt.flush()
 
