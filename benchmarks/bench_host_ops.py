@@ -1,7 +1,7 @@
 """The operations the training thread dispatches per weight and step: what keeps a GPU waiting.
 
     .venv/bin/python benchmarks/bench_host_ops.py [--quick] [--layers 96] [--dtype both]
-        [--cycles 32]
+        [--cycles 32] [--update-interval 4] [--select-interval 8]
 
 On a GPU every operation the host dispatches is a kernel launch (or at least a trip through
 the dispatcher), a few microseconds each: a model of many small weights, or one whose step is
@@ -11,8 +11,9 @@ stack of ``--layers`` Linear(64, 64) layers, trained on a batch of 8 rows, each 
 and ``step()`` + ``zero_grad()`` under torch.profiler, counting the top-level aten operations
 that do work (views, ``aten::to`` to the same dtype, and other operations that move no data are
 left out). Per weight (one weight and one bias per layer), by kind of step over one select
-cycle after warm-up (topk 0.1, update_interval 4, select_interval 8, overlap_step; the device
-step eager, as on a GPU):
+cycle after warm-up (topk 0.1, update_interval 4, select_interval 8 unless given, overlap_step;
+the device step eager, as on a GPU; the GPU check's settings are update_interval 4 or 8,
+select_interval 64):
 
   zenflow device sums  ZenFlowAdamW, accumulate_on_device True (what "auto" picks on one GPU)
   zenflow host sums    ZenFlowAdamW, accumulate_on_device False
@@ -33,6 +34,13 @@ collector runs, as in training, and its passes are counted: a compiled model lea
 hundred thousand Python objects that each full pass walks (a quarter of a second here), and
 every step that keeps many new objects alive at once sets passes off. Times vary with the
 machine and what else runs on it; ratios within one run are the comparable figures.
+
+Last, the host time of each zenflow step after its synchronization (the profiler range
+``zenflow::wait_for_device``) to the end of ``step()`` + ``zero_grad()``: on a GPU the device
+has run out of work at that synchronization and waits for the host for that long, whatever the
+model's size, since what the host does then is queued behind it (one select cycle under the
+profiler, which adds about a microsecond per operation). torch's AdamW has no such wait: its
+host runs ahead of the device.
 """
 
 import argparse
@@ -40,13 +48,13 @@ import collections
 import gc
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
 import zenflow
 
-CYCLE = 8
-SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_interval=CYCLE, overlap_step=True)
+TOPK = 0.1
 # Operations that dispatch without moving data (views, metadata, profiler marks).
 NO_WORK = {
     "aten::t",
@@ -82,7 +90,11 @@ def _args(argv=None):
     parser.add_argument("--layers", type=int, default=None, help="Linear(64, 64) layers (96)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "both"), default=None)
     parser.add_argument("--cycles", type=int, default=None, help="timed select cycles (32)")
+    parser.add_argument("--update-interval", type=int, default=4, help="zenflow's (4)")
+    parser.add_argument("--select-interval", type=int, default=8, help="zenflow's (8)")
     args = parser.parse_args(argv)
+    if args.update_interval < 1 or args.select_interval % args.update_interval:
+        parser.error("--select-interval must be a multiple of --update-interval (>= 1)")
     args.layers = args.layers or (8 if args.quick else 96)
     args.cycles = args.cycles or (2 if args.quick else 32)
     args.dtype = args.dtype or ("fp32" if args.quick else "both")
@@ -118,7 +130,35 @@ def _copies(event, children) -> bool:
     return any(c.name in COPIES or _copies(c, children) for c in children[id(event)])
 
 
-def _training(name: str, layers: int, dtype: torch.dtype):
+@dataclass(frozen=True)
+class Cadence:
+    """zenflow's update and select intervals, and the kind of each step of a select cycle once
+    the cycles are aligned (warm-up over, the first selection made: ``3 * select_interval``
+    steps into training)."""
+
+    update_interval: int
+    select_interval: int
+
+    def settings(self) -> dict:
+        return dict(
+            topk_ratio=TOPK,
+            update_interval=self.update_interval,
+            select_interval=self.select_interval,
+            overlap_step=True,
+        )
+
+    def kind(self, i: int) -> str:
+        """Step ``i`` of a cycle: "select" (a select boundary, which also closes a window),
+        "window" (one that closes a window) or "ordinary"."""
+        if i == self.select_interval - 1:
+            return "select"
+        return "window" if (i + 1) % self.update_interval == 0 else "ordinary"
+
+    def of_kind(self, kind: str) -> list[int]:
+        return [i for i in range(self.select_interval) if self.kind(i) == kind]
+
+
+def _training(name: str, layers: int, dtype: torch.dtype, cadence: Cadence):
     """The row's compiled model, optimizer and batch."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(layers))).to(dtype)
@@ -128,7 +168,7 @@ def _training(name: str, layers: int, dtype: torch.dtype):
             lr=1e-3,
             accumulate_on_device=name == "zenflow device sums",
             step_backend="eager",
-            **SETTINGS,
+            **cadence.settings(),
         )
         compiled = torch.compile(model, backend="zenflow", options={"inner": "eager"})
     else:
@@ -138,8 +178,8 @@ def _training(name: str, layers: int, dtype: torch.dtype):
     return compiled, opt, torch.randn(8, 64, dtype=dtype)
 
 
-def _row(name: str, layers: int, dtype: torch.dtype):
-    compiled, opt, x = _training(name, layers, dtype)
+def _row(name: str, layers: int, dtype: torch.dtype, cadence: Cadence):
+    compiled, opt, x = _training(name, layers, dtype, cadence)
     activities = [torch.profiler.ProfilerActivity.CPU]
 
     def step(profiled: bool):
@@ -156,9 +196,9 @@ def _row(name: str, layers: int, dtype: torch.dtype):
             opt.zero_grad()
         return _working_ops(backward), _working_ops(stepped)
 
-    for _ in range(3 * CYCLE):  # warm-up, the first selection, one whole select cycle
+    for _ in range(3 * cadence.select_interval):  # warm-up, the first selection, a cycle
         step(False)
-    return [step(True) for _ in range(CYCLE)]
+    return [step(True) for _ in range(cadence.select_interval)]
 
 
 class _Collections:
@@ -180,11 +220,12 @@ class _TimedRow:
     backward, ``step()`` + ``zero_grad()`` and the whole step, in seconds, and the garbage
     collector's passes during its steps."""
 
-    def __init__(self, name: str, layers: int, dtype: torch.dtype):
-        self.compiled, self.opt, self.x = _training(name, layers, dtype)
+    def __init__(self, name: str, layers: int, dtype: torch.dtype, cadence: Cadence):
+        self.cadence = cadence
+        self.compiled, self.opt, self.x = _training(name, layers, dtype, cadence)
         self.times: list[tuple[float, float, float]] = []
         self.passes = _Collections()
-        for _ in range(3 * CYCLE):  # warm-up, the first selection, one whole select cycle
+        for _ in range(3 * cadence.select_interval):  # warm-up, the first selection, a cycle
             self._step()
 
     def _step(self) -> tuple[float, float, float]:
@@ -193,36 +234,72 @@ class _TimedRow:
         forward = time.perf_counter()
         loss.backward()
         backward = time.perf_counter()
-        self.opt.step()
-        self.opt.zero_grad()
+        with torch.profiler.record_function("bench::step"):
+            self.opt.step()
+            self.opt.zero_grad()
         stepped = time.perf_counter()
         return backward - forward, stepped - backward, stepped - started
 
     def cycle(self) -> None:
         gc.callbacks.append(self.passes)
         try:
-            self.times += [self._step() for _ in range(CYCLE)]
+            self.times += [self._step() for _ in range(self.cadence.select_interval)]
         finally:
             gc.callbacks.remove(self.passes)
 
     def summary(self) -> dict:
         """Milliseconds: the backward's and each kind of step's median, the mean whole step;
         the collector's passes per 100 steps."""
-        cycles = len(self.times) // CYCLE
-        by_kind = [[self.times[c * CYCLE + i][1] for c in range(cycles)] for i in range(CYCLE)]
-        ordinary = statistics.mean(statistics.median(by_kind[i]) for i in (0, 1, 2, 4, 5, 6))
+        n = self.cadence.select_interval
+        cycles = len(self.times) // n
+        by_step = [
+            statistics.median(self.times[c * n + i][1] for c in range(cycles)) for i in range(n)
+        ]
+        by_kind = {
+            kind: statistics.mean(by_step[i] for i in self.cadence.of_kind(kind))
+            for kind in ("ordinary", "window", "select")
+            if self.cadence.of_kind(kind)
+        }
         return dict(
             backward=statistics.median(t[0] for t in self.times) * 1e3,
-            ordinary=ordinary * 1e3,
-            window=statistics.median(by_kind[3]) * 1e3,
-            select=statistics.median(by_kind[7]) * 1e3,
+            **{kind: t * 1e3 for kind, t in by_kind.items()},
             mean=statistics.mean(t[2] for t in self.times) * 1e3,
             young=100 * self.passes.young / len(self.times),
             full=100 * self.passes.full / len(self.times),
         )
 
+    def after_sync(self) -> list[float]:
+        """One select cycle under the profiler: each step's host time, in milliseconds, from
+        the end of its last ``zenflow::wait_for_device`` range to the end of ``step()`` +
+        ``zero_grad()`` (0 for a step that waits for no device)."""
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(self.cadence.select_interval):
+                self._step()
+        events = prof.events()
+        steps = sorted((e for e in events if e.name == "bench::step"), key=_start)
+        waits = [e for e in events if e.name == "zenflow::wait_for_device"]
+        after = []
+        for step in steps:
+            inside = [w for w in waits if _start(step) <= _start(w) <= _end(step)]
+            after.append((_end(step) - max(map(_end, inside))) / 1e3 if inside else 0.0)
+        return after
 
-def _print_times(layers: int, dtype: torch.dtype, cycles: int, rows: tuple[str, ...]) -> None:
+
+def _start(event) -> float:
+    return event.time_range.start
+
+
+def _end(event) -> float:
+    return event.time_range.end
+
+
+KINDS = ("ordinary", "window", "select")
+
+
+def _print_times(
+    layers: int, dtype: torch.dtype, cycles: int, rows: tuple[str, ...], cadence: Cadence
+) -> None:
     print(
         f"\n## {str(dtype).removeprefix('torch.')}: host time per layer (us), {cycles} select "
         "cycles, garbage collector on"
@@ -233,7 +310,7 @@ def _print_times(layers: int, dtype: torch.dtype, cycles: int, rows: tuple[str, 
     )
     print(header + "\n" + "-" * len(header))
     # Whole select cycles of every row in turn, so that the machine's drift reaches all alike.
-    runs = {name: _TimedRow(name, layers, dtype) for name in rows}
+    runs = {name: _TimedRow(name, layers, dtype, cadence) for name in rows}
     gc.collect()
     for _ in range(cycles):
         for run in runs.values():
@@ -242,16 +319,42 @@ def _print_times(layers: int, dtype: torch.dtype, cycles: int, rows: tuple[str, 
     reference = timed["torch adamw foreach"]["mean"]
     per_layer = 1e3 / layers
     for name, t in timed.items():
+        kinds = "".join(_cell(t.get(kind), per_layer) for kind in KINDS)
         print(
-            f"{name:22s}{t['backward'] * per_layer:10.1f}{t['ordinary'] * per_layer:10.1f}"
-            f"{t['window'] * per_layer:10.1f}{t['select'] * per_layer:10.1f}"
+            f"{name:22s}{t['backward'] * per_layer:10.1f}{kinds}"
             f"{t['mean'] * per_layer:11.1f}{t['mean'] / reference:11.2f}x"
             f"{t['young']:9.0f} young{t['full']:4.1f} full"
         )
+    _print_after_sync({n: r for n, r in runs.items() if n.startswith("zenflow")}, timed, layers)
+
+
+def _print_after_sync(runs: dict, timed: dict, layers: int) -> None:
+    """Each zenflow row's host time after its step's synchronization, per layer, by kind of
+    step and over the whole cycle, and that mean against the row's mean whole step."""
+    print("\nhost time after the step's synchronization, per layer (us), one select cycle:")
+    header = f"{'row':22s}{'ordinary':>10s}{'window':>10s}{'select':>10s}{'mean step':>11s}"
+    print(header + f"{'of the step':>13s}\n" + "-" * (len(header) + 13))
+    per_layer = 1e3 / layers
+    for name, run in runs.items():
+        after = run.after_sync()
+        by_kind = {
+            kind: statistics.mean(after[i] for i in run.cadence.of_kind(kind))
+            for kind in KINDS
+            if run.cadence.of_kind(kind)
+        }
+        mean = statistics.mean(after)
+        kinds = "".join(_cell(by_kind.get(kind), per_layer) for kind in KINDS)
+        share = 100 * mean / timed[name]["mean"]
+        print(f"{name:22s}{kinds}{mean * per_layer:11.1f}{share:12.0f}%")
+
+
+def _cell(value: float | None, scale: float) -> str:
+    return f"{'-':>10s}" if value is None else f"{value * scale:10.1f}"
 
 
 def main(argv=None) -> None:
     args = _args(argv)
+    cadence = Cadence(args.update_interval, args.select_interval)
     torch.set_num_threads(1)
     dtypes = {"fp32": [torch.float32], "bf16": [torch.bfloat16]}.get(
         args.dtype, [torch.float32, torch.bfloat16]
@@ -260,7 +363,8 @@ def main(argv=None) -> None:
     print("# bench_host_ops: operations dispatched per weight and step (top-level aten ops)")
     print(
         f"model: {args.layers} x Linear(64, 64), batch 8; torch {torch.__version__}; "
-        f"zenflow {', '.join(f'{k} {v}' for k, v in SETTINGS.items())}; one select cycle"
+        f"zenflow {', '.join(f'{k} {v}' for k, v in cadence.settings().items())}; one select "
+        "cycle"
     )
     for dtype in dtypes:
         print(
@@ -274,28 +378,32 @@ def main(argv=None) -> None:
         for name in rows:
             if name.endswith("fused") and dtype != torch.float32:
                 continue  # fused AdamW on the CPU takes fp32 parameters only
-            steps = _row(name, args.layers, dtype)
-            per_weight = [(b / args.layers, s / args.layers) for b, s in steps]
-            by_kind = [s for _, s in per_weight]
-            # Steps 0..7 of the cycle: 3 and 7 close a window; 7 is also a select boundary.
-            ordinary = statistics.mean(by_kind[i] for i in (0, 1, 2, 4, 5, 6))
-            print(
-                f"{name:22s}{statistics.mean(b for b, _ in per_weight):10.1f}{ordinary:10.1f}"
-                f"{by_kind[3]:10.1f}{by_kind[7]:10.1f}{statistics.mean(by_kind):11.1f}"
+            steps = _row(name, args.layers, dtype, cadence)
+            backward = statistics.mean(b for b, _ in steps) / args.layers
+            stepped = [s / args.layers for _, s in steps]
+            kinds = "".join(
+                _cell(statistics.mean(stepped[i] for i in cadence.of_kind(kind)), 1.0)
+                if cadence.of_kind(kind)
+                else _cell(None, 1.0)
+                for kind in KINDS
             )
+            print(f"{name:22s}{backward:10.1f}{kinds}{statistics.mean(stepped):11.1f}")
     print(
         "\nordinary: a step inside a window; window: one closing a window; select: a select "
-        "boundary. Step columns count step() + zero_grad()."
+        "boundary (means over the cycle's steps of each kind). Step columns count step() + "
+        "zero_grad()."
     )
     timed_rows = ("zenflow device sums", "zenflow host sums", "torch adamw foreach")
     for dtype in dtypes:
-        _print_times(args.layers, dtype, args.cycles, timed_rows)
+        _print_times(args.layers, dtype, args.cycles, timed_rows, cadence)
     print(
-        "\nbackward, ordinary, window, select: medians over the cycles; mean step: forward, "
-        "backward and step over whole select cycles, the garbage collector's passes included; "
-        "vs foreach: the mean step over torch foreach AdamW's. young: collections of "
-        "generations 0 and 1; full: of every object the process tracks (a compiled model's "
-        "many: a fraction of a second each)."
+        "\nbackward, ordinary, window, select: medians over the cycles (of each kind, their "
+        "mean); mean step: forward, backward and step over whole select cycles, the garbage "
+        "collector's passes included; vs foreach: the mean step over torch foreach AdamW's. "
+        "young: collections of generations 0 and 1; full: of every object the process tracks "
+        "(a compiled model's many: a fraction of a second each). After the synchronization: "
+        "on a GPU, the device's wait for the host in each step; of the step: that wait against "
+        "the row's mean whole step above."
     )
 
 
