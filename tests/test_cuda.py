@@ -329,8 +329,8 @@ def test_overlapped_result_is_not_overwritten_while_its_copy_is_in_flight(cuda_f
     )
     write_selected = OwnedWeight.write_selected
 
-    def slow_write_selected(self):
-        written = write_selected(self)
+    def slow_write_selected(self, copied=None):
+        written = write_selected(self, copied)
         torch.cuda._sleep(20_000_000)  # ~10 ms or more of device time after the update
         return written
 

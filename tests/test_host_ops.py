@@ -60,11 +60,16 @@ def working_ops(prof) -> list[str]:
     return ops
 
 
-def training(layers: int, device_sums: bool | None, select_interval: int = 8):
+def training(
+    layers: int,
+    device_sums: bool | None,
+    select_interval: int = 8,
+    dtype: torch.dtype = torch.float32,
+):
     """A model of ``layers`` Linear(32, 32) compiled with zenflow and its ZenFlowAdamW, or with
     ``device_sums`` None, compiled with aot_eager (the same eager backward) and torch's AdamW."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(layers)))
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(layers))).to(dtype)
     if device_sums is None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
         return torch.compile(model, backend="aot_eager"), opt
@@ -87,16 +92,17 @@ def ops_at(
     counted_part: str,
     steps: tuple[int, ...] = INSIDE_A_WINDOW[1:],
     select_interval: int = 8,
+    dtype: torch.dtype = torch.float32,
 ) -> list[str]:
     """The working operations of the backward or of ``step()`` + ``zero_grad()`` at ``steps``,
     alike on each of them (by default the steps inside a window, after the first, which makes
     the new selection's indices)."""
-    compiled, opt = training(layers, device_sums, select_interval)
-    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    compiled, opt = training(layers, device_sums, select_interval, dtype)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0)).to(dtype)
     activities = [torch.profiler.ProfilerActivity.CPU]
     counted = []
     for i in range(max(steps) + 1):
-        loss = compiled(x).square().mean()
+        loss = compiled(x).float().square().mean()
         with torch.profiler.profile(activities=activities) as backward:
             loss.backward()
         with torch.profiler.profile(activities=activities) as stepped:
@@ -110,7 +116,7 @@ def ops_at(
 
 def per_extra_layer(device_sums: bool | None, counted_part: str, **at) -> dict[str, float]:
     """The operations that 10 layers dispatch beyond 4, per extra layer (``at``: ``ops_at``'s
-    steps and select_interval)."""
+    steps, select_interval and dtype)."""
     few, many = (collections.Counter(ops_at(n, device_sums, counted_part, **at)) for n in (4, 10))
     return _per_extra_layer(few, many)
 
@@ -136,6 +142,14 @@ def test_an_ordinary_step_dispatches_a_few_operations_per_weight(device_sums):
         expected |= {"aten::matmul": 3.0, "aten::mul": 1.0, "aten::index_select": 1.0}
         expected |= {"aten::sum": 1.0, "aten::to": 2.0}
     assert per_layer == expected
+
+
+def test_a_16_bit_ordinary_step_converts_in_multi_tensor_copies():
+    """A bf16 model with device-side sums: per extra layer, the write of its selected columns
+    and nothing else, as for fp32. The selected rows' new values are converted to bf16 and the
+    bias's gradient to fp32 for every weight and bias at once, by the device update's
+    multi-tensor copies. Before: a conversion per weight and one per bias."""
+    assert per_extra_layer(True, "step", dtype=torch.bfloat16) == {"aten::index_copy_": 1.0}
 
 
 def test_a_backward_with_device_side_sums_adds_one_gather_per_weight():

@@ -36,7 +36,7 @@ from zenflow.runtime.side_by_side import indices_by
 from zenflow.runtime.staging.base import squared_norm_totals
 from zenflow.runtime.staging.contributions import DeviceRows, Factors, HostRows, as_tensor
 from zenflow.runtime.streams import copy_stream
-from zenflow.runtime.vector_state import VectorState
+from zenflow.runtime.vector_state import VectorState, fp32_gradients
 from zenflow.runtime.window_sum import add_device_rows
 from zenflow.runtime.window_updates import WindowUpdates
 from zenflow.settings import ZenFlowSettings
@@ -446,25 +446,25 @@ class Conductor:
             scale = None
             if coefficient != 1.0:
                 scale = self._device_scalar(role, group_index, device, coefficient)
+            copies = [w.selected_copy() for w in rows]
             self._device_step(
                 [w.state.device_master for w in rows] + [v.master for v in vecs],
                 [w.state.device_exp_avg for w in rows] + [v.exp_avg for v in vecs],
                 [w.state.device_exp_avg_sq for w in rows] + [v.exp_avg_sq for v in vecs],
                 [w.state.device_steps for w in rows] + [v.steps for v in vecs],
-                [w.staging.selected_rows() for w in rows]
-                + [v.param.grad.float().reshape(1, -1) for v in vecs],
+                [w.staging.selected_rows() for w in rows] + fp32_gradients(vecs),
                 self._device_scalar("lr", group_index, device, hyper["lr"]),
                 scale,
                 hyper["beta1"],
                 hyper["beta2"],
                 hyper["eps"],
                 hyper["weight_decay"],
-                [None] * len(rows) + [v.param.data.view(1, -1) for v in vecs],
+                copies + [v.param.data.view(1, -1) for v in vecs],
                 self._buffers_of(group_index, device, role),
             )
             with torch.profiler.record_function("zenflow::write_selected"):
-                for w in rows:
-                    self.counters["h2d_bytes"] += w.write_selected()
+                for w, copied in zip(rows, copies, strict=True):
+                    self.counters["h2d_bytes"] += w.write_selected(copied)
 
     def _buffers_of(self, group_index: int, device: torch.device, role: str) -> StepBuffers:
         """Kept per role as well: a step whose owned weights' coefficient differs from the

@@ -29,8 +29,8 @@ from zenflow.runtime.window_sum import WindowSum
 
 
 class OwnedWeight:
-    """Owns the parts above, the pinned buffers its values cross to the device through, its
-    registry slot, and the step's gradient as ``.grad`` shows it (the ``StagedGradient``, and
+    """Owns the parts above, the pinned buffers its values cross to the device through, the
+    buffer the device update copies the selected columns' values into, its registry slot, and the step's gradient as ``.grad`` shows it (the ``StagedGradient``, and
     whether it is reduced over ranks, and its squared norm once the step or a clip took it: no
     micro-batch may join after that).
     ``offload``: the selected columns' state lives on the host, and is
@@ -77,6 +77,7 @@ class OwnedWeight:
         self.window = WindowSum(param.device if device_sums else torch.device("cpu"))
         # purpose -> (pinned buffer, its transfer to the device in flight), on a GPU.
         self._to_device_buffers: dict[str, tuple[torch.Tensor, PendingCopy | None]] = {}
+        self._selected_copy: torch.Tensor | None = None  # see selected_copy()
         # The one tensor object ``.grad`` holds while a gradient is staged, made at the first
         # and kept step after step (as torch reuses ``.grad`` under
         # ``zero_grad(set_to_none=False)``): one per weight and step would keep Python's
@@ -215,19 +216,31 @@ class OwnedWeight:
 
     # Writing updated values into the parameter the model computes with.
 
-    def write_selected(self) -> int:
-        """Write the selected columns' new values into the parameter; returns the bytes that
+    def selected_copy(self) -> torch.Tensor | None:
+        """Where the device update copies the selected columns' new values in the parameter's
+        dtype (``[k, out]``, kept from step to step), for ``write_selected``: the update
+        converts every weight's in one multi-tensor copy, where a conversion per weight would
+        be a kernel launch each on a GPU. None where the values are written as they are (an
+        fp32 parameter) or sent from the host (``offload``)."""
+        if self.offload or self.param.dtype == torch.float32:
+            return None
+        shape = (self.layout.k, self.out)
+        if self._selected_copy is None or self._selected_copy.shape != shape:
+            self._selected_copy = self.param.new_empty(shape)
+        return self._selected_copy
+
+    def write_selected(self, copied: torch.Tensor | None = None) -> int:
+        """Write the selected columns' new values into the parameter (``copied``: the device
+        update's ``selected_copy()`` of them, where it made one); returns the bytes that
         crossed to the device: with ``offload`` the values are sent from the host (counted
         even where the device is the CPU, like every count), else none."""
-        device = self.param.device
-        columns = self.layout.on(device, "selected")
-        ascending = self.layout.ascending_on(device, "selected")
+        columns = self.layout.on(self.param.device, "selected")
         if not self.offload:
-            values = self.state.device_master.to(self.param.dtype)
-            write_columns(self.param, columns, values, ascending)
+            values = self.state.device_master.to(self.param.dtype) if copied is None else copied
+            write_columns(self.param, columns, values)
             return 0
         values = self._to_device(self.state.device_master, "selected")
-        write_columns(self.param, columns, values, ascending)
+        write_columns(self.param, columns, values)
         return values.numel() * values.element_size()
 
     def copy_dtype(self) -> torch.dtype | None:

@@ -11,10 +11,11 @@ graph and recompile it. So is ``coefficient`` (a clip factor, or a window's mean
 a step whose gradients are used as they are (no clipping: most steps), which then makes no
 scaled copy of them: outside the compiled loop, so that one graph serves both.
 
-``destinations``: where each updated master goes in the model, in the same pass: a tensor of
-the master's shape (a 1-D parameter's view) takes a copy, None writes nothing (a weight's
+``destinations``: where each updated master is copied in the same pass (in the destination's
+dtype): a 1-D parameter's view, or a 16-bit weight's ``OwnedWeight.selected_copy()`` (its
 selected rows are columns of its row-major parameter: ``zenflow.runtime.param_writes`` writes
-them after the step).
+them from that copy after the step); None copies nothing (an fp32 weight's rows are written
+from the master itself).
 """
 
 import functools
