@@ -35,12 +35,11 @@ hundred thousand Python objects that each full pass walks (a quarter of a second
 every step that keeps many new objects alive at once sets passes off. Times vary with the
 machine and what else runs on it; ratios within one run are the comparable figures.
 
-Last, the host time of each zenflow step after its synchronization (the profiler range
-``zenflow::wait_for_device``) to the end of ``step()`` + ``zero_grad()``: on a GPU the device
-has run out of work at that synchronization and waits for the host for that long, whatever the
-model's size, since what the host does then is queued behind it (one select cycle under the
-profiler, which adds about a microsecond per operation). torch's AdamW has no such wait: its
-host runs ahead of the device.
+Last, each zenflow row's host time in ``step()`` after the step's last synchronization
+(``stats()["host_after_sync_s"]``, per step, over the same timed cycles): on a GPU the device
+has run out of work at that synchronization and waits for the host about that long, whatever
+the model's size, since what the host queues then comes after it. torch's AdamW has no such
+wait: its host runs ahead of the device.
 """
 
 import argparse
@@ -55,6 +54,7 @@ import torch
 import zenflow
 
 TOPK = 0.1
+KINDS = ("ordinary", "window", "select")
 # Operations that dispatch without moving data (views, metadata, profiler marks).
 NO_WORK = {
     "aten::t",
@@ -224,6 +224,7 @@ class _TimedRow:
         self.cadence = cadence
         self.compiled, self.opt, self.x = _training(name, layers, dtype, cadence)
         self.times: list[tuple[float, float, float]] = []
+        self.after_sync: list[float] = []  # zenflow: each step's host_after_sync_s
         self.passes = _Collections()
         for _ in range(3 * cadence.select_interval):  # warm-up, the first selection, a cycle
             self._step()
@@ -234,67 +235,52 @@ class _TimedRow:
         forward = time.perf_counter()
         loss.backward()
         backward = time.perf_counter()
-        with torch.profiler.record_function("bench::step"):
-            self.opt.step()
-            self.opt.zero_grad()
+        self.opt.step()
+        self.opt.zero_grad()
         stepped = time.perf_counter()
         return backward - forward, stepped - backward, stepped - started
+
+    def _after_sync_s(self) -> float:
+        stats = getattr(self.opt, "stats", None)
+        return stats()["host_after_sync_s"] if stats else 0.0
 
     def cycle(self) -> None:
         gc.callbacks.append(self.passes)
         try:
-            self.times += [self._step() for _ in range(self.cadence.select_interval)]
+            for _ in range(self.cadence.select_interval):
+                before = self._after_sync_s()  # read outside the timed step
+                self.times.append(self._step())
+                self.after_sync.append(self._after_sync_s() - before)
         finally:
             gc.callbacks.remove(self.passes)
 
     def summary(self) -> dict:
         """Milliseconds: the backward's and each kind of step's median, the mean whole step;
-        the collector's passes per 100 steps."""
-        n = self.cadence.select_interval
-        cycles = len(self.times) // n
-        by_step = [
-            statistics.median(self.times[c * n + i][1] for c in range(cycles)) for i in range(n)
-        ]
-        by_kind = {
-            kind: statistics.mean(by_step[i] for i in self.cadence.of_kind(kind))
-            for kind in ("ordinary", "window", "select")
-            if self.cadence.of_kind(kind)
-        }
+        the collector's passes per 100 steps; each kind of step's median host time after
+        its synchronization (``after_<kind>``) and the mean (``after_mean``)."""
+        steps = [t[1] for t in self.times]
+        by_kind = self._medians_by_kind(steps)
+        after = self._medians_by_kind(self.after_sync)
         return dict(
             backward=statistics.median(t[0] for t in self.times) * 1e3,
             **{kind: t * 1e3 for kind, t in by_kind.items()},
             mean=statistics.mean(t[2] for t in self.times) * 1e3,
             young=100 * self.passes.young / len(self.times),
             full=100 * self.passes.full / len(self.times),
+            **{f"after_{kind}": t * 1e3 for kind, t in after.items()},
+            after_mean=statistics.mean(self.after_sync) * 1e3,
         )
 
-    def after_sync(self) -> list[float]:
-        """One select cycle under the profiler: each step's host time, in milliseconds, from
-        the end of its last ``zenflow::wait_for_device`` range to the end of ``step()`` +
-        ``zero_grad()`` (0 for a step that waits for no device)."""
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(self.cadence.select_interval):
-                self._step()
-        events = prof.events()
-        steps = sorted((e for e in events if e.name == "bench::step"), key=_start)
-        waits = [e for e in events if e.name == "zenflow::wait_for_device"]
-        after = []
-        for step in steps:
-            inside = [w for w in waits if _start(step) <= _start(w) <= _end(step)]
-            after.append((_end(step) - max(map(_end, inside))) / 1e3 if inside else 0.0)
-        return after
-
-
-def _start(event) -> float:
-    return event.time_range.start
-
-
-def _end(event) -> float:
-    return event.time_range.end
-
-
-KINDS = ("ordinary", "window", "select")
+    def _medians_by_kind(self, per_step: list[float]) -> dict[str, float]:
+        """Each step of the cycle's median over the cycles, and of each kind their mean."""
+        n = self.cadence.select_interval
+        cycles = len(per_step) // n
+        medians = [statistics.median(per_step[c * n + i] for c in range(cycles)) for i in range(n)]
+        return {
+            kind: statistics.mean(medians[i] for i in self.cadence.of_kind(kind))
+            for kind in KINDS
+            if self.cadence.of_kind(kind)
+        }
 
 
 def _print_times(
@@ -325,27 +311,14 @@ def _print_times(
             f"{t['mean'] * per_layer:11.1f}{t['mean'] / reference:11.2f}x"
             f"{t['young']:9.0f} young{t['full']:4.1f} full"
         )
-    _print_after_sync({n: r for n, r in runs.items() if n.startswith("zenflow")}, timed, layers)
-
-
-def _print_after_sync(runs: dict, timed: dict, layers: int) -> None:
-    """Each zenflow row's host time after its step's synchronization, per layer, by kind of
-    step and over the whole cycle, and that mean against the row's mean whole step."""
-    print("\nhost time after the step's synchronization, per layer (us), one select cycle:")
+    print("\nhost time in step() after the step's synchronization, per layer (us):")
     header = f"{'row':22s}{'ordinary':>10s}{'window':>10s}{'select':>10s}{'mean step':>11s}"
     print(header + f"{'of the step':>13s}\n" + "-" * (len(header) + 13))
-    per_layer = 1e3 / layers
-    for name, run in runs.items():
-        after = run.after_sync()
-        by_kind = {
-            kind: statistics.mean(after[i] for i in run.cadence.of_kind(kind))
-            for kind in KINDS
-            if run.cadence.of_kind(kind)
-        }
-        mean = statistics.mean(after)
-        kinds = "".join(_cell(by_kind.get(kind), per_layer) for kind in KINDS)
-        share = 100 * mean / timed[name]["mean"]
-        print(f"{name:22s}{kinds}{mean * per_layer:11.1f}{share:12.0f}%")
+    for name, t in timed.items():
+        if name.startswith("zenflow"):
+            kinds = "".join(_cell(t.get(f"after_{kind}"), per_layer) for kind in KINDS)
+            share = 100 * t["after_mean"] / t["mean"]
+            print(f"{name:22s}{kinds}{t['after_mean'] * per_layer:11.1f}{share:12.0f}%")
 
 
 def _cell(value: float | None, scale: float) -> str:
@@ -402,8 +375,8 @@ def main(argv=None) -> None:
         "collector's passes included; vs foreach: the mean step over torch foreach AdamW's. "
         "young: collections of generations 0 and 1; full: of every object the process tracks "
         "(a compiled model's many: a fraction of a second each). After the synchronization: "
-        "on a GPU, the device's wait for the host in each step; of the step: that wait against "
-        "the row's mean whole step above."
+        "medians as above; on a GPU, the device's wait for the host in each step; of the step: "
+        "that wait's mean against the row's mean whole step."
     )
 
 

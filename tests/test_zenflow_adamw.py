@@ -1,6 +1,7 @@
 """ZenFlowAdamW as a torch.optim.Optimizer: checkpoints, statistics, bad input."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -213,6 +214,23 @@ def test_stats_count_steps_updates_bytes_and_pool_time():
     assert stats["skipped_steps"] == 0
     # The pool's time counts whether or not the training thread waited for it (overlapped).
     assert stats["cpu_adam_s"] > 0 and stats["cpu_accumulate_s"] > 0
+
+
+def test_stats_time_the_host_after_each_steps_synchronization():
+    """``host_after_sync_s``: the time step() spends after the step's last wait for the
+    device (what a GPU idles for), some of step() and never more than all of it."""
+    data = batches("mlp", 8)
+    model = build("mlp")
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **SETTINGS)
+    in_step = 0.0
+    for inputs, targets in data:
+        opt.zero_grad()
+        loss_of("mlp", model, inputs, targets).backward()
+        started = time.perf_counter()
+        opt.step()
+        in_step += time.perf_counter() - started
+    after_sync = opt.stats()["host_after_sync_s"]
+    assert 0 < after_sync < in_step
 
 
 @pytest.mark.parametrize(

@@ -157,7 +157,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with runtime.failing_for_good():
+        with runtime.failing_for_good(), runtime.timing_after_sync():
             runtime.step(grad_divisor)
         return loss
 
@@ -212,7 +212,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         share per phase, optimizer_wait_s_<phase> for ordinary, select (the first selection),
         window_close, select_boundary, warm_up, flush and state_dict; cpu_adam_s (the CPU AdamW
         updates' run time in the pool, overlapped or not), cpu_accumulate_s (the pool's run
-        time adding steps into the windows' host-side sums), accumulate_on_device (whether the
+        time adding steps into the windows' host-side sums), host_after_sync_s (the training
+        thread's time in step() after each step's last synchronization with the device: on a
+        GPU the device waits for the host about that long), accumulate_on_device (whether the
         windows' sums stay on the device).
         """
         return self._runtime.stats()

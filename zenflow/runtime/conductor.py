@@ -13,6 +13,7 @@ the next boundary); and at a select boundary the step's gradient chooses the nex
 
 import contextlib
 import math
+import time
 
 import torch
 
@@ -100,6 +101,7 @@ class Conductor:
             optimizer_wait_s=0.0,
             cpu_adam_s=0.0,
             cpu_accumulate_s=0.0,
+            host_after_sync_s=0.0,
         )
         self.jobs = CPUJobs(settings.pt_reserved_cores_perc, self.counters)
         self.sync = comm.sync  # the optimizer's one count, shared with its collectives
@@ -165,6 +167,19 @@ class Conductor:
         except (cpu_adam.CPUAdamError, CollectiveError) as error:
             self.failure = error
             raise
+
+    @contextlib.contextmanager
+    def timing_after_sync(self):
+        """Count the host time from the last synchronization inside the block to its end
+        (``host_after_sync_s``): on a GPU the device has only the work queued after that
+        synchronization to run, and waits for the host about that long."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            synced = self.sync.last_return
+            if synced is not None and synced >= started:
+                self.counters["host_after_sync_s"] += time.perf_counter() - synced
 
     def check_usable(self) -> None:
         if self.failure is not None:

@@ -15,6 +15,7 @@ the calls here lift it for their own duration.
 """
 
 import contextlib
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -22,28 +23,34 @@ import torch
 
 
 class HostSync:
-    """Owns the count (``count``) of one optimizer's synchronizations."""
+    """Owns the count (``count``) of one optimizer's synchronizations and when the last one
+    returned (``last_return``, ``time.perf_counter()``; None before the first): from then on
+    the device has only what the host queues next to run."""
 
     def __init__(self):
         self.count = 0
+        self.last_return: float | None = None
 
     @contextlib.contextmanager
     def _one(self):
         # A profiler range of its own: a trace shows the device idling while the host waits
         # here apart from the host's work around it.
         self.count += 1
-        with torch.profiler.record_function("zenflow::wait_for_device"):
-            # Not started, no CUDA work to wait for: reading the debug mode would start CUDA
-            # (a context on GPU 0 for a CPU-only run, an error in a forked child).
-            if not torch.cuda.is_initialized():
-                yield
-                return
-            mode = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode(0)
-            try:
-                yield
-            finally:
-                torch.cuda.set_sync_debug_mode(mode)
+        try:
+            with torch.profiler.record_function("zenflow::wait_for_device"):
+                # Not started, no CUDA work to wait for: reading the debug mode would start
+                # CUDA (a context on GPU 0 for a CPU-only run, an error in a forked child).
+                if not torch.cuda.is_initialized():
+                    yield
+                    return
+                mode = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode(0)
+                try:
+                    yield
+                finally:
+                    torch.cuda.set_sync_debug_mode(mode)
+        finally:
+            self.last_return = time.perf_counter()
 
     def values(self, tensors: Sequence[torch.Tensor], copies: Sequence = ()) -> list:
         """Every tensor's value as Python numbers (``tolist``: a 0-d tensor gives a number),
