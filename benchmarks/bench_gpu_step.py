@@ -711,6 +711,14 @@ def _zenflow_work(name: str, record: dict) -> str:
         )
         if key in counted
     )
+    after_sync = counted.get("host_after_sync_s")
+    if after_sync is not None and record.get("steps") and record.get("mean_s"):
+        per_step = after_sync / record["steps"]
+        text += (
+            f"; host time in step() after the step's synchronization {1000 * per_step:.1f} ms "
+            f"per step ({100 * per_step / record['mean_s']:.0f}% of the mean step: the device "
+            "waits for the host about that long)"
+        )
     interval = (record.get("settings") or {}).get("update_interval")
     if counted.get("cpu_updates") and interval and record.get("mean_s"):
         cpu_pass = counted.get("cpu_adam_s", 0.0) / counted["cpu_updates"]

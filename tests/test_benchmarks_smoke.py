@@ -84,7 +84,7 @@ def test_bench_gpu_step_quick_on_cpu(tmp_path):
     """The GPU check's timing script, its zenflow row and the peer without offload, through
     the same code on the CPU: the zenflow row checks that its timed steps did zenflow's work
     (a select cycle: two CPU updates, one reselection) and the table reports its CPU pass per
-    window against the window's time. (The zenflow-hostsum row differs only on a GPU: on the
+    window against the window's time, and the host's time after each step's synchronization. (The zenflow-hostsum row differs only on a GPU: on the
     CPU "auto" keeps the sums on the host too.)"""
     rows = ("zenflow", "adamw")
     out = _run(
@@ -99,3 +99,4 @@ def test_bench_gpu_step_quick_on_cpu(tmp_path):
     (work,) = [line for line in table.splitlines() if line.startswith("zenflow over the timed")]
     assert "cpu_updates 2, reselections 1" in work
     assert "CPU pass per window" in work and "(update_interval x mean step)" in work
+    assert "host time in step() after the step's synchronization" in work
