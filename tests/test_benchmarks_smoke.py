@@ -84,8 +84,9 @@ def test_bench_gpu_step_quick_on_cpu(tmp_path):
     """The GPU check's timing script, its zenflow row and the peer without offload, through
     the same code on the CPU: the zenflow row checks that its timed steps did zenflow's work
     (a select cycle: two CPU updates, one reselection) and the table reports its CPU pass per
-    window against the window's time, and the host's time after each step's synchronization. (The zenflow-hostsum row differs only on a GPU: on the
-    CPU "auto" keeps the sums on the host too.)"""
+    window against the window's time, and the host's time after each step's synchronization.
+    (The zenflow-hostsum row differs only on a GPU: on the CPU "auto" keeps the sums on the
+    host too.)"""
     rows = ("zenflow", "adamw")
     out = _run(
         "bench_gpu_step.py", "--device", "cpu", "--out", str(tmp_path), "--peers", ",".join(rows)

@@ -30,9 +30,10 @@ from zenflow.runtime.window_sum import WindowSum
 
 class OwnedWeight:
     """Owns the parts above, the pinned buffers its values cross to the device through, the
-    buffer the device update copies the selected columns' values into, its registry slot, and the step's gradient as ``.grad`` shows it (the ``StagedGradient``, and
-    whether it is reduced over ranks, and its squared norm once the step or a clip took it: no
-    micro-batch may join after that).
+    buffer the device update copies the selected columns' values into, its registry slot, and
+    the step's gradient as ``.grad`` shows it (the ``StagedGradient``, and whether it is
+    reduced over ranks, and its squared norm once the step or a clip took it: no micro-batch
+    may join after that).
     ``offload``: the selected columns' state lives on the host, and is
     updated there; ``device_sums``: the window's sum is kept on the weight's device; ``sync``:
     the optimizer's counted waits for the device."""
