@@ -245,12 +245,13 @@ class _TimedRow:
         return stats()["host_after_sync_s"] if stats else 0.0
 
     def cycle(self) -> None:
+        counted = self._after_sync_s()
         gc.callbacks.append(self.passes)
         try:
             for _ in range(self.cadence.select_interval):
-                before = self._after_sync_s()  # read outside the timed step
                 self.times.append(self._step())
-                self.after_sync.append(self._after_sync_s() - before)
+                before, counted = counted, self._after_sync_s()  # read outside the timed step
+                self.after_sync.append(counted - before)
         finally:
             gc.callbacks.remove(self.passes)
 
