@@ -121,9 +121,10 @@ class ColumnLayout:
     def ascending_on(
         self, device: torch.device, name: str
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``on(device, name)`` ("selected" or "unselected") sorted, and the row of each
-        (``sort()``'s values and indices): what a write in column order takes on a GPU, made
-        once per layout and device; None on the CPU, whose writes take any order."""
+        """``on(device, name)`` sorted, and the row of each (``sort()``'s values and indices):
+        what a write in column order takes on a GPU (a window's "unselected" columns; the
+        selected ones are written in device row order), made once per layout and device; None
+        on the CPU, whose writes take any order."""
         if torch.device(device).type == "cpu":
             return None
         cached = self._on_device.setdefault(torch.device(device), {})
