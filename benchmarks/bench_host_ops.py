@@ -59,7 +59,6 @@ KINDS = ("ordinary", "window", "select")
 NO_WORK = {
     "aten::t",
     "aten::view",
-    "aten::reshape",
     "aten::slice",
     "aten::permute",
     "aten::detach",
@@ -105,15 +104,17 @@ def _is_aten(event) -> bool:
     return event.name.startswith("aten::")
 
 
-def _working_ops(prof) -> int:
-    """Top-level aten operations (none of their callers an aten operation) that do work."""
+def working_ops(prof) -> list[str]:
+    """The names of the top-level aten operations in ``prof`` (none of their callers an aten
+    operation) that do work, in the order they ran; ``tests/test_host_ops.py`` holds the
+    runtime to budgets in these."""
     children = collections.defaultdict(list)
     for event in prof.events():
         if event.cpu_parent is not None:
             children[id(event.cpu_parent)].append(event)
-    count = 0
+    ops = []
     for event in prof.events():
-        if not _is_aten(event) or (event.name in NO_WORK and event.name not in MAYBE_WORK):
+        if not _is_aten(event) or event.name in NO_WORK:
             continue
         parent = event.cpu_parent
         while parent is not None and not _is_aten(parent):
@@ -122,8 +123,8 @@ def _working_ops(prof) -> int:
             continue
         if event.name in MAYBE_WORK and not _copies(event, children):
             continue
-        count += 1
-    return count
+        ops.append(event.name)
+    return ops
 
 
 def _copies(event, children) -> bool:
@@ -194,7 +195,7 @@ def _row(name: str, layers: int, dtype: torch.dtype, cadence: Cadence):
         with torch.profiler.profile(activities=activities) as stepped:
             opt.step()
             opt.zero_grad()
-        return _working_ops(backward), _working_ops(stepped)
+        return len(working_ops(backward)), len(working_ops(stepped))
 
     for _ in range(3 * cadence.select_interval):  # warm-up, the first selection, a cycle
         step(False)

@@ -9,55 +9,32 @@ window (``benchmarks/bench_host_ops.py`` prints them for every kind of step).
 """
 
 import collections
+import importlib.util
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zenflow
+from tests.python_process import ROOT
 
-NO_WORK = {
-    "aten::t",
-    "aten::view",
-    "aten::slice",
-    "aten::permute",
-    "aten::detach",
-    "aten::unsqueeze",
-    "aten::select",
-    "aten::as_strided",
-    "aten::transpose",
-    "aten::resolve_conj",
-    "aten::resolve_neg",
-    "aten::split_with_sizes",
-    "aten::empty",
-    "aten::new_empty",
-}
-MAYBE_COPY = {"aten::to", "aten::reshape", "aten::contiguous"}
-COPIES = {"aten::_to_copy", "aten::copy_", "aten::clone"}
 # Steps of the first select cycle (8 steps, update_interval 4) inside a window: 0 selects first,
 # 3 closes a window, 7 closes one and selects.
 INSIDE_A_WINDOW = (1, 2, 4, 5, 6)
 
 
-def working_ops(prof) -> list[str]:
-    children = collections.defaultdict(list)
-    for event in prof.events():
-        if event.cpu_parent is not None:
-            children[id(event.cpu_parent)].append(event)
+def _bench_host_ops():
+    """``benchmarks/bench_host_ops.py``, whose count of working operations the budgets here
+    are written in."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_host_ops", ROOT / "benchmarks" / "bench_host_ops.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    def copies(event) -> bool:
-        return any(c.name in COPIES or copies(c) for c in children[id(event)])
 
-    ops = []
-    for event in prof.events():
-        if not event.name.startswith("aten::") or event.name in NO_WORK:
-            continue
-        caller = event.cpu_parent
-        while caller is not None and not caller.name.startswith("aten::"):
-            caller = caller.cpu_parent
-        if caller is None and (event.name not in MAYBE_COPY or copies(event)):
-            ops.append(event.name)
-    return ops
+working_ops = _bench_host_ops().working_ops
 
 
 def training(
