@@ -1,4 +1,4 @@
-"""What an ordinary step costs the training thread per weight, counted in operations.
+"""What a step costs the training thread per weight, counted in operations.
 
 On a GPU each operation the host dispatches is a kernel launch: a step whose operations grow
 by many per weight leaves the device waiting on a model of many small weights. The count is
@@ -151,6 +151,30 @@ def test_a_window_close_with_device_side_sums_adds_one_write_per_weight():
     multi-tensor add. Before: an add per weight for its step counts."""
     per_layer = per_extra_layer(True, "step", steps=(11,), select_interval=16)
     assert per_layer == {"aten::index_copy_": 2.0}
+
+
+def test_a_select_boundary_with_device_side_sums_moves_rows_and_leaves_index_arithmetic_to_numpy():
+    """A select boundary (step 15 of select_interval 8), per extra layer: the columns' scores
+    (a norm and a square of each of the staged rows' two parts, joined and put back in column
+    order), the top-k choice (two sorts), the layout's new order, the entering columns' host
+    rows gathered for the transfer (master, moments, steps, the window sum's, and the sum's
+    offset), the leaving rows taken from the device state and the entering ones put in their
+    place (four each), and three column writes (the step's selected columns, the entering
+    ones after their update, the pending window's unselected ones). The new layout's index
+    arithmetic runs in numpy, which the profiler does not count. Before: 54 more operations
+    per weight (masks, positions, partitions and a host read, each a torch dispatch)."""
+    per_layer = per_extra_layer(True, "step", steps=(15,), select_interval=8)
+    assert per_layer == {
+        "aten::linalg_vector_norm": 2.0,
+        "aten::square_": 2.0,
+        "aten::cat": 2.0,
+        "aten::empty_like": 1.0,
+        "aten::index_put_": 1.0,
+        "aten::sort": 2.0,
+        "aten::sub": 1.0,
+        "aten::index_select": 9.0,
+        "aten::index_copy_": 7.0,
+    }
 
 
 class TensorsMade(TorchDispatchMode):

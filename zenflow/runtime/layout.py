@@ -21,6 +21,7 @@ device rows with entering ones in place: the rows that move are proportional to 
 import functools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from zenflow.runtime.streams import sent_to
@@ -135,29 +136,38 @@ class ColumnLayout:
 
     def reselect(self, selected: torch.Tensor) -> "Migration":
         """The layout for a new selection (ascending column indices) and the moves from this
-        one to it, for this rank."""
-        selected = selected.to("cpu", torch.int64)
-        was = _mask(self.columns, self.device_columns)
+        one to it, for this rank.
+
+        Index arithmetic on the host over a few thousand columns, for every weight at a select
+        boundary while the device waits: done in numpy, whose operations on arrays this small
+        cost a fraction of torch's dispatch (a 1024-column weight's reselection took 0.41 ms
+        in torch operations on the development CPU); the results are torch tensors sharing
+        the arrays' memory."""
+        selected = selected.to("cpu", torch.int64).numpy()
+        device_columns_was = self.device_columns.numpy()
+        local_orders = [order.numpy() for order in self.local_orders]
+        local_order = local_orders[self.rank]
+        was = _mask(self.columns, device_columns_was)
         now = _mask(self.columns, selected)
         entering = selected[~was[selected]]
-        leaving = self.device_columns[~now[self.device_columns]]
-        device_row = torch.full((self.columns,), -1, dtype=torch.int64)
-        device_row[self.device_columns] = torch.arange(self.k)
-        host_row = _positions(self.columns, self.local_order)
+        leaving = device_columns_was[~now[device_columns_was]]
+        device_row = np.full(self.columns, -1, dtype=np.int64)
+        device_row[device_columns_was] = np.arange(self.k, dtype=np.int64)
+        host_row = _positions(self.columns, local_order)
 
-        partitions = [_partition(order, now) for order in self.local_orders]
+        partitions = [_partition(order, now) for order in local_orders]
         new_local_order, _, (front, back) = partitions[self.rank]
         # Of the swapped pairs, the front column that was not selected has a host row to move;
         # a selected one's host row is stale and its state comes from the device.
-        moved = ~was[self.local_order[front]]
+        moved = ~was[local_order[front]]
         new_host_row = _positions(self.columns, new_local_order)
         mine = (leaving >= self.lo) & (leaving < self.hi)
         leaving_mine = leaving[mine]
         owned = (entering >= self.lo) & (entering < self.hi)
 
-        if entering.numel() == leaving.numel():
+        if entering.size == leaving.size:
             entering_device_rows = device_row[leaving]
-            device_columns = self.device_columns.clone()
+            device_columns = device_columns_was.copy()
             device_columns[entering_device_rows] = entering
             kept = None
         else:  # the selection changed size (the first one): device rows in column order
@@ -165,24 +175,24 @@ class ColumnLayout:
             new_row = _positions(self.columns, selected)
             staying = selected[was[selected]]
             entering_device_rows = new_row[entering]
-            kept = (device_row[staying], new_row[staying])
+            kept = (_tensor(device_row[staying]), _tensor(new_row[staying]))
         layout = ColumnLayout(
             columns=self.columns,
             rank=self.rank,
             blocks=self.blocks,
-            device_columns=device_columns,
-            local_orders=tuple(order for order, _, _ in partitions),
+            device_columns=_tensor(device_columns),
+            local_orders=tuple(_tensor(order) for order, _, _ in partitions),
             k_locals=tuple(k_local for _, k_local, _ in partitions),
         )
         return Migration(
             layout=layout,
-            entering=entering,
-            entering_owned=owned,
-            entering_host_rows=host_row[entering[owned]],
-            entering_device_rows=entering_device_rows,
-            leaving_device_rows=device_row[leaving_mine],
-            leaving_host_rows=new_host_row[leaving_mine],
-            host_moves=(front[moved], back[moved]),
+            entering=_tensor(entering),
+            entering_owned=_tensor(owned),
+            entering_host_rows=_tensor(host_row[entering[owned]]),
+            entering_device_rows=_tensor(entering_device_rows),
+            leaving_device_rows=_tensor(device_row[leaving_mine]),
+            leaving_host_rows=_tensor(new_host_row[leaving_mine]),
+            host_moves=(_tensor(front[moved]), _tensor(back[moved])),
             device_kept=kept,
         )
 
@@ -219,30 +229,35 @@ class Migration:
         return self.entering.numel()
 
 
-def _mask(columns: int, index: torch.Tensor) -> torch.Tensor:
-    mask = torch.zeros(columns, dtype=torch.bool)
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """``array`` as a torch tensor sharing its memory (nothing writes either afterwards)."""
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _mask(columns: int, index: np.ndarray) -> np.ndarray:
+    mask = np.zeros(columns, dtype=bool)
     mask[index] = True
     return mask
 
 
-def _positions(columns: int, order: torch.Tensor) -> torch.Tensor:
+def _positions(columns: int, order: np.ndarray) -> np.ndarray:
     """``positions[order[i]] == i`` (entries of columns not in ``order`` unset)."""
-    positions = torch.empty(columns, dtype=torch.int64)
-    positions[order] = torch.arange(order.numel())
+    positions = np.empty(columns, dtype=np.int64)
+    positions[order] = np.arange(order.size, dtype=np.int64)
     return positions
 
 
-def _partition(local_order: torch.Tensor, selected: torch.Tensor):
+def _partition(local_order: np.ndarray, selected: np.ndarray):
     """A block's new local order for a new selection (mask ``selected``): selected columns in
     front, the rest behind, by swapping each misplaced front position with a misplaced back one
     (every other column keeps its place). Returns the new order, the front's size, and the
     swapped positions ``(front, back)``: the column at ``front[i]`` goes to ``back[i]`` and the
     other way round."""
     in_front = selected[local_order]
-    size = int(in_front.sum())
-    position = torch.arange(local_order.numel())
-    front = ((position < size) & ~in_front).nonzero().flatten()
-    back = ((position >= size) & in_front).nonzero().flatten()
-    order = local_order.clone()
+    size = int(np.count_nonzero(in_front))
+    position = np.arange(local_order.size)
+    front = np.flatnonzero((position < size) & ~in_front)
+    back = np.flatnonzero((position >= size) & in_front)
+    order = local_order.copy()
     order[front], order[back] = local_order[back], local_order[front]
     return order, size, (front, back)
