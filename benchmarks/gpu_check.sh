@@ -46,6 +46,8 @@
 #   summary   (reserved 10 s) the table of every row that finished, RESULTS_DIR/bench.md
 # Results, written stage by stage so that a run cut short still reports: RESULTS_DIR/summary.md
 # (one line per stage: result and seconds), <stage>.log, tests.xml, bench_<row>.json, bench.md.
+# GPU_CHECK_LIMIT_<stage> (dashes as underscores, e.g. GPU_CHECK_LIMIT_zenflow_hostsum=100) replaces
+# a stage's limit, for a call whose budget allows more than the defaults above.
 # GPU_CHECK_BENCH_OPTIONS adds options to every bench_gpu_step.py row, for a rerun within the same
 # lease (e.g. GPU_CHECK_STAGES=zenflow GPU_CHECK_BENCH_OPTIONS="--profile-steps 16").
 # GPU_CHECK_TAR=FILE also packs RESULTS_DIR into FILE after every stage (the device tool brings
@@ -92,6 +94,8 @@ pack() {
 stage() {
     local name=$1 want=$2 fn=$3
     [[ ",$STAGES," == *",$name,"* ]] || return 0
+    local override="GPU_CHECK_LIMIT_${name//-/_}"
+    want=${!override:-$want}
     local left=$((BUDGET - RESERVE - (SECONDS - START)))
     local limit=$((want < left ? want : left))
     if ((limit < (want < 15 ? want : 15))); then

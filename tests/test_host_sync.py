@@ -157,6 +157,20 @@ def test_a_reselection_sends_its_rows_to_the_host_in_one_copy_per_dtype(copies_t
         assert sorted(copied, key=str) == ([torch.float32, torch.int64] if kind == "select" else [])
 
 
+def test_offloaded_state_leaves_the_selection_without_a_copy(copies_to_host):
+    """With offload the selected columns' state lives on the host: at a select boundary their
+    leaving rows are where they go, so the step copies to the host only what every step does
+    (the selected rows' gradient) and waits for no copy of state. A GPU run waited for one
+    such host-to-host copy at the window close after each boundary, a CPU-only run not (its
+    device and host copies share one stream), so the two counted differently."""
+    copied = []
+    kinds = syncs_by_step(6, copy_stream=True, offload=True, copies=copied)
+    ordinary = [c for (kind, _), c in zip(kinds, copied, strict=True) if kind == "ordinary"]
+    assert ordinary
+    for (kind, _), c in zip(kinds, copied, strict=True):
+        assert c == ordinary[0], kind
+
+
 def test_a_window_close_ships_every_device_side_sum_in_one_copy(copies_to_host):
     """Device-side sums: a step that closes a window sends every weight's sum (in the
     parameter's dtype) to the host side by side, in one copy, for 6 weights as for 24; a

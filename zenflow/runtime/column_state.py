@@ -4,7 +4,8 @@ column's own step count (bias correction is per column).
 Host rows: every column of this rank's block, in its local order (``zenflow.runtime.layout``;
 the selected columns' rows are stale while their state is on the device), pinned on a GPU
 machine. Device rows: the selected columns, in device row order, on the weight's device (on the
-host with ``offload``). A reselection moves the rows of the columns that change side and never
+host with ``offload``: already where a leaving column's rows go, so they cross no stream and
+nothing waits for them). A reselection moves the rows of the columns that change side and never
 resets them.
 
 At a select boundary with an overlapped CPU update, that update still runs over the host rows
@@ -29,7 +30,8 @@ from zenflow.runtime.migration import (
 class ColumnState:
     """Owns the host rows (``host_master``, ``host_exp_avg``, ``host_exp_avg_sq``: ``[block
     rows, out]`` fp32; ``host_steps``: ``[block rows]`` int64) and the device rows
-    (``device_*``: ``[k, out]`` fp32 and ``[k]`` int64 on ``device``), and the host rows'
+    (``device_*``: ``[k, out]`` fp32 and ``[k]`` int64 on ``device``: the parameter's, or the
+    host's with ``offload``), and the host rows'
     moves a reselection left for later (``unsettled``: the migration and the leaving columns'
     rows on their way to the host, and their places there); waits for those through the
     optimizer's ``sync``."""
@@ -38,11 +40,12 @@ class ColumnState:
         self,
         param: torch.Tensor,
         layout: ColumnLayout,
-        device: torch.device,
+        offload: bool,
         pin: bool,
         sync: HostSync,
     ):
-        self.device = device
+        self.offload = offload
+        self.device = torch.device("cpu") if offload else param.device
         self.pin = pin
         self.sync = sync
         out = param.shape[0]
@@ -52,10 +55,10 @@ class ColumnState:
         self.host_exp_avg = torch.zeros(rows, out, pin_memory=pin)
         self.host_exp_avg_sq = torch.zeros(rows, out, pin_memory=pin)
         self.host_steps = torch.zeros(rows, dtype=torch.int64)
-        self.device_master = torch.empty(0, out, device=device)
-        self.device_exp_avg = torch.empty(0, out, device=device)
-        self.device_exp_avg_sq = torch.empty(0, out, device=device)
-        self.device_steps = torch.empty(0, dtype=torch.int64, device=device)
+        self.device_master = torch.empty(0, out, device=self.device)
+        self.device_exp_avg = torch.empty(0, out, device=self.device)
+        self.device_exp_avg_sq = torch.empty(0, out, device=self.device)
+        self.device_steps = torch.empty(0, dtype=torch.int64, device=self.device)
         self.unsettled: tuple[Migration, LeavingRows, list[int]] | None = None
 
     def host(self) -> list[torch.Tensor]:
@@ -88,7 +91,7 @@ class ColumnState:
         device)."""
         assert self.unsettled is None, "a reselection before the last one settled"
         places = [
-            leaving.add(rows, migration.leaving_device_rows, host)
+            leaving.add(rows, migration.leaving_device_rows, host, on_host=self.offload)
             for host, rows in zip(self.host(), self.device_rows(), strict=True)
         ]
         device = [

@@ -108,30 +108,36 @@ class LeavingRows:
     """The leaving columns' device rows of any number of tensors (every weight's state at one
     reselection), on their way to the host: taken on the device when queued (before the
     device rows are replaced), then one buffer per device and dtype copied on the copy
-    stream, which nothing waits for until the rows are read (``landed``). Rows whose host
-    tensor lives on the device (a device-side staged sum) stay there. Owns what was queued,
-    then the copies in flight."""
+    stream, which nothing waits for until the rows are read (``landed``). Rows that are
+    where their host tensor is cross nothing: a device-side staged sum's (the host tensor lives
+    on the device), and offloaded state's (the device rows live on the host). Owns what was
+    queued, then the copies in flight."""
 
     def __init__(self):
-        self._queued: list[tuple[torch.Tensor, torch.device]] = []  # (rows, host tensor's device)
+        self._queued: list[tuple[torch.Tensor, bool]] = []  # (rows, whether they cross)
         # Once sent, per place: the copy its rows are in, their offset there and their shape.
         self._landing: list[tuple[PendingCopy, int, torch.Size]] | None = None
 
-    def add(self, device: torch.Tensor, index: torch.Tensor, host: torch.Tensor) -> int:
+    def add(
+        self, device: torch.Tensor, index: torch.Tensor, host: torch.Tensor, on_host: bool = False
+    ) -> int:
         """Queue rows ``index`` of ``device`` for ``host`` (in its dtype); returns their place
-        for ``landed``."""
-        self._queued.append((_take(device, index).to(host.dtype), host.device))
+        for ``landed``. ``on_host``: ``device`` is host memory by configuration (offload), not
+        a device's (on a CPU-only machine the two look alike, and only the latter is waited
+        for, as on a GPU)."""
+        crosses = host.device.type == "cpu" and not on_host
+        self._queued.append((_take(device, index).to(host.dtype), crosses))
         return len(self._queued) - 1
 
     def send(self) -> None:
         """Start every queued row for the host."""
         landing: list[tuple[PendingCopy, int, torch.Size] | None] = [None] * len(self._queued)
         by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, (rows, host_device) in enumerate(self._queued):
-            if host_device.type != "cpu":
-                landing[i] = (PendingCopy(rows), 0, rows.shape)
-            else:
+        for i, (rows, crosses) in enumerate(self._queued):
+            if crosses:
                 by_kind.setdefault((rows.device, rows.dtype), []).append(i)
+            else:
+                landing[i] = (PendingCopy(rows), 0, rows.shape)
         for (device, _), members in by_kind.items():
             parts = [self._queued[i][0] for i in members]
             flat = torch.cat([part.reshape(-1) for part in parts])

@@ -73,8 +73,7 @@ class OwnedWeight:
             accumulate_on_device=device_sums,
             sync=sync,
         )
-        state_device = torch.device("cpu") if offload else param.device
-        self.state = ColumnState(param, self.layout, state_device, self.pin, sync)
+        self.state = ColumnState(param, self.layout, offload, self.pin, sync)
         self.window = WindowSum(param.device if device_sums else torch.device("cpu"))
         # purpose -> (pinned buffer, its transfer to the device in flight), on a GPU.
         self._to_device_buffers: dict[str, tuple[torch.Tensor, PendingCopy | None]] = {}
