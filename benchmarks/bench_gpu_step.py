@@ -79,6 +79,8 @@ HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 # The zenflow rows' phases are profiled over at most this many steps (every operation on the
 # host recorded: slow for a long cycle).
 PHASE_STEPS = 16
+# zenflow's counters recorded for every timed step, to split a slow one.
+STEP_COUNTERS = ("host_after_sync_s", "optimizer_wait_s", "device_syncs")
 
 
 def _args(argv=None):
@@ -594,7 +596,7 @@ def _worker(args, peer: str) -> int:
         print(f"[{peer}] set up, compiled and warmed up in {record['setup_s']:.1f}s", flush=True)
 
         before = runner.counters()
-        times, spans, losses, kinds = [], [], [], []
+        times, spans, losses, kinds, per_step = [], [], [], [], []
         _sync(device)
         span_start = time.perf_counter()
         for i in range(steps):
@@ -614,7 +616,9 @@ def _worker(args, peer: str) -> int:
             if device.type == "cuda":
                 spans.append(begin.elapsed_time(end) / 1000)
             losses.append(float(loss.detach().float()))
-            kinds.append(_step_kind(counted, runner.counters()))
+            stepped = runner.counters()
+            kinds.append(_step_kind(counted, stepped))
+            per_step.append({k: stepped[k] - counted[k] for k in STEP_COUNTERS if k in stepped})
         _sync(device)
         span = time.perf_counter() - span_start
         after = runner.counters()
@@ -636,6 +640,8 @@ def _worker(args, peer: str) -> int:
             ),
             losses=losses,
             step_kinds=kinds,
+            fwd_bwd_s=spans,
+            step_counters=per_step,
             counters=delta,
             bytes_per_step=moved / steps if after else analytic,
             bytes_per_step_source="stats" if after else "analytic",
@@ -692,6 +698,34 @@ def _by_size(ms: dict[str, float]) -> str:
     return ", ".join(
         f"{key} {value:.1f}" for key, value in sorted(ms.items(), key=lambda kv: -kv[1])
     )
+
+
+def _slowest_steps(name: str, record: dict, count: int = 3) -> str:
+    """The row's slowest timed steps, each split into what the host knows of it: a slow step
+    inside a window is not explained by the step's mean, and a GPU lease is too short to find
+    it again."""
+    times = record.get("step_times_s") or []
+    kinds = record.get("step_kinds") or []
+    spans = record.get("fwd_bwd_s") or []
+    counted = record.get("step_counters") or []
+    parts = []
+    for i in sorted(range(len(times)), key=times.__getitem__, reverse=True)[:count]:
+        kind = kinds[i] if i < len(kinds) and kinds[i] else None
+        part = f"#{i}" + (f" ({kind})" if kind else "") + f" {1000 * times[i]:.1f} ms"
+        details = []
+        if i < len(spans):
+            details.append(f"forward+backward {1000 * spans[i]:.1f} ms")
+        step_counted = counted[i] if i < len(counted) else {}
+        for key, label in (
+            ("host_after_sync_s", "host after the sync"),
+            ("optimizer_wait_s", "waiting for the CPU pool"),
+        ):
+            if key in step_counted:
+                details.append(f"{label} {1000 * step_counted[key]:.1f} ms")
+        if "device_syncs" in step_counted:
+            details.append(f"{step_counted['device_syncs']} syncs")
+        parts.append(part + (f": {', '.join(details)}" if details else ""))
+    return f"{name} slowest timed steps: " + "; ".join(parts)
 
 
 def _zenflow_work(name: str, record: dict) -> str:
@@ -821,6 +855,8 @@ def _summarize(args) -> str:
             )
         if phases.get("device_idle_error"):
             about.append(f"{name} device idle by host range failed: {phases['device_idle_error']}")
+        if r.get("step_times_s"):
+            about.append(_slowest_steps(name, r))
         lines += [""] + about if about else []
     for name, r in records.items():
         if name.startswith("zenflow") and r.get("counters"):

@@ -19,35 +19,41 @@
 #                bash benchmarks/gpu_check.sh /tmp/gpu_check", carry=["wheels"], timeout_s=300)
 #
 # GPU_CHECK_STAGES picks the stages, comma-separated (they run in the order below), or one of
-# the two calls: "first" (the default: env,install,tests,zenflow,adamw,ds-offload) and "second"
-# (install,zenflow-hostsum,ds-zenflow). Each stage runs under `timeout`, limited to what is left
-# of the budget (GPU_CHECK_BUDGET_S, 290 s by default); a stage that fails or times out does not
-# stop the next:
-#   env        25 s  nvidia-smi, python, torch/CUDA versions, installed packages, disk, /dev/shm,
-#                    `ulimit -l` (pinned memory), the host's memory bandwidth (one 1 GiB copy)
-#   install    90 s  pip install --no-index --find-links WHEELS_DIR --no-build-isolation -e .
-#                    (builds csrc/ into zenflow/_cpu_adam*.so; skipped when this tree's zenflow
+# the two calls: "first" (the default: env,install,tests,zenflow,ds-offload) and "second"
+# (install,adamw,zenflow-hostsum,ds-zenflow). Each stage runs under `timeout`, limited to what is
+# left of the budget (GPU_CHECK_BUDGET_S, 290 s by default); a stage that fails or times out does
+# not stop the next. The limits, and the split into calls, follow what each stage took on an H200
+# on 2026-12-04 (in brackets; the zenflow rows' first step is Inductor compiling the model):
+#   env        25 s  [11 s] nvidia-smi, python, torch/CUDA versions, installed packages, disk,
+#                    /dev/shm, `ulimit -l` (pinned memory), the host's memory bandwidth (one 1 GiB
+#                    copy)
+#   install    90 s  [44 s] pip install --no-index --find-links WHEELS_DIR --no-build-isolation
+#                    -e . (builds csrc/ into zenflow/_cpu_adam*.so; skipped when this tree's zenflow
 #                    and deepspeed already import); then, in the background, the just-in-time
-#                    build of DeepSpeed's CPU Adam (a stale lock of a killed build removed first)
-#   tests      75 s  python -m pytest -m cuda tests/test_cuda.py (beside DeepSpeed's build)
+#                    build of DeepSpeed's CPU Adam [51 s] (a stale lock of a killed build removed
+#                    first), in every call that has a DeepSpeed row (a warm machine has it built)
+#   tests      75 s  [44 s] python -m pytest -m cuda tests/test_cuda.py (beside DeepSpeed's build)
 #   (the DeepSpeed build is waited for here, up to 120 s: nothing is timed while it compiles;
 #    a build whose log has no "built in" line failed, and the DeepSpeed rows then use torch's
 #    Adam on the CPU, labelled)
-#   zenflow    75 s  bench_gpu_step.py --peers zenflow: accumulate_on_device "auto" (device-side
-#                    sums on one GPU); Inductor compiles the model, the device step runs eagerly;
+#   zenflow   120 s  [115 s: 67 set-up and compile, 6 timed, 42 profiling] bench_gpu_step.py
+#                    --peers zenflow: accumulate_on_device "auto" (device-side sums on one
+#                    GPU); Inductor compiles the model, the device step runs eagerly;
 #                    topk 0.1, update_interval 8, select_interval 64, overlap: 16 warm-up steps,
 #                    a whole select cycle timed and another profiled
-#   adamw     100 s  bench_gpu_step.py --peers adamw (a cold Inductor compile takes ~90 s)
-#   ds-offload 60 s  bench_gpu_step.py --peers ds-offload  (3 + 16 + 4 steps)
-#   zenflow-hostsum 90 s  zenflow with accumulate_on_device false (window sums on the host)
-#   ds-zenflow 90 s  bench_gpu_step.py --peers ds-zenflow (DeepSpeed's ZenFlow at zenflow's
-#                    schedule, a select cycle timed; last: its worker can hang for minutes)
+#   ds-offload 60 s  [36 s] bench_gpu_step.py --peers ds-offload  (3 + 16 + 4 steps)
+#   adamw      90 s  [65 s] bench_gpu_step.py --peers adamw
+#   zenflow-hostsum 120 s  [94 s, Inductor's cache warm] zenflow with accumulate_on_device false
+#                    (window sums on the host)
+#   ds-zenflow 80 s  [54 s] bench_gpu_step.py --peers ds-zenflow (DeepSpeed's ZenFlow at
+#                    zenflow's schedule, a select cycle timed; last: its worker can hang for
+#                    minutes)
 #   hand-over  30 s  (only when named) bench_compile_overhead.py --hand-over-only --device cuda
 #   summary   (reserved 10 s) the table of every row that finished, RESULTS_DIR/bench.md
 # Results, written stage by stage so that a run cut short still reports: RESULTS_DIR/summary.md
 # (one line per stage: result and seconds), <stage>.log, tests.xml, bench_<row>.json, bench.md.
-# GPU_CHECK_LIMIT_<stage> (dashes as underscores, e.g. GPU_CHECK_LIMIT_zenflow_hostsum=100) replaces
-# a stage's limit, for a call whose budget allows more than the defaults above.
+# GPU_CHECK_LIMIT_<stage> (dashes as underscores: GPU_CHECK_LIMIT_zenflow_hostsum=100) replaces a
+# stage's limit, for a call whose budget allows more than the defaults above.
 # GPU_CHECK_BENCH_OPTIONS adds options to every bench_gpu_step.py row, for a rerun within the same
 # lease (e.g. GPU_CHECK_STAGES=zenflow GPU_CHECK_BENCH_OPTIONS="--profile-steps 16").
 # GPU_CHECK_TAR=FILE also packs RESULTS_DIR into FILE after every stage (the device tool brings
@@ -61,8 +67,8 @@ PYTHON=${GPU_CHECK_PYTHON:-${PYTHON:-python3}}
 BUDGET=${GPU_CHECK_BUDGET_S:-290}
 STAGES=${GPU_CHECK_STAGES:-first}
 case $STAGES in
-first) STAGES=env,install,tests,zenflow,adamw,ds-offload ;;
-second) STAGES=install,zenflow-hostsum,ds-zenflow ;;
+first) STAGES=env,install,tests,zenflow,ds-offload ;;
+second) STAGES=install,adamw,zenflow-hostsum,ds-zenflow ;;
 esac
 RESERVE=10 # kept for the summary
 TAR=${GPU_CHECK_TAR:-}
@@ -220,11 +226,11 @@ if [[ ${#BACKGROUND[@]} -gt 0 ]] && ! grep -q "built in" "$build_log"; then
     echo "| note | DeepSpeedCPUAdam did not build (ds_cpu_adam_build.log): the DeepSpeed rows use torch's Adam on the CPU | - |" \
         >>"$RES/summary.md"
 fi
-stage zenflow 75 "bench zenflow"
-stage adamw 100 "bench adamw"
+stage zenflow 120 "bench zenflow"
 stage ds-offload 60 "bench ds-offload $ds_options"
-stage zenflow-hostsum 90 "bench zenflow-hostsum"
-stage ds-zenflow 90 "bench ds-zenflow $ds_options"
+stage adamw 90 "bench adamw"
+stage zenflow-hostsum 120 "bench zenflow-hostsum"
+stage ds-zenflow 80 "bench ds-zenflow $ds_options"
 
 for pid in "${BACKGROUND[@]}"; do
     if kill -0 "$pid" 2>/dev/null; then

@@ -84,7 +84,8 @@ def test_bench_gpu_step_quick_on_cpu(tmp_path):
     """The GPU check's timing script, its zenflow row and the peer without offload, through
     the same code on the CPU: the zenflow row checks that its timed steps did zenflow's work
     (a select cycle: two CPU updates, one reselection) and the table reports its CPU pass per
-    window against the window's time, and the host's time after each step's synchronization.
+    window against the window's time, the host's time after each step's synchronization, and
+    its slowest steps split into what the host knows of them.
     (The zenflow-hostsum row differs only on a GPU: on the CPU "auto" keeps the sums on the
     host too.)"""
     rows = ("zenflow", "adamw")
@@ -101,3 +102,6 @@ def test_bench_gpu_step_quick_on_cpu(tmp_path):
     assert "cpu_updates 2, reselections 1" in work
     assert "CPU pass per window" in work and "(update_interval x mean step)" in work
     assert "host time in step() after the step's synchronization" in work
+    # The slowest steps, split: a slow step is found from one lease's results.
+    (slowest,) = [line for line in table.splitlines() if line.startswith("zenflow slowest")]
+    assert slowest.count("host after the sync") == 3
