@@ -3,7 +3,7 @@
     python benchmarks/bench_gpu_step.py [--device cuda] [--out DIR] [--peers zenflow,ds-offload,ds-zenflow,adamw]
         [--layers 24] [--width 1024] [--heads 16] [--seq 512] [--batch 8] [--vocab 50304]
         [--update-interval 8] [--select-interval 64] [--warmup N] [--steps N]
-        [--profile-steps N] [--inner inductor] [--peer-timeout S]
+        [--profile-steps N] [--trace-steps N] [--inner inductor] [--peer-timeout S]
     python benchmarks/bench_gpu_step.py --device cpu --quick   # a smoke run of the same code on CPU
     python benchmarks/bench_gpu_step.py --summarize --out DIR  # the table from the JSON files in DIR
 
@@ -56,13 +56,18 @@ which include compilation and DeepSpeed's worker start; else 3):
   syncs/step  zenflow: the times a step waited for the device or read a value it computed
               (stats()["device_syncs"] over the timed steps); n/a for the peers.
 Each row writes DIR/bench_<row>.json as soon as it is timed and again after profiling, then
-DIR/bench.md (the table of every row present so far), so a run cut short still reports.
+DIR/bench.md (the table of every row present so far), so a run cut short still reports. On a
+GPU the zenflow rows also keep the last thing they do: a chrome trace of --trace-steps (2)
+ordinary steps, CPU and CUDA activity with the bench:: and zenflow:: ranges, in
+DIR/trace_<row>.json.gz (open it in Perfetto), to read the device's gaps where the lease ran.
 """
 
 import argparse
+import gzip
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
@@ -106,6 +111,9 @@ def _args(argv=None):
     )
     parser.add_argument(
         "--profile-steps", type=int, default=None, help="zenflow a select interval, else 4"
+    )
+    parser.add_argument(
+        "--trace-steps", type=int, default=None, help="zenflow rows on a GPU: a kept trace (2)"
     )
     parser.add_argument(
         "--inner",
@@ -464,6 +472,31 @@ def _idle_split(events: list[dict], steps: int) -> dict[str, float]:
     return {name: us / 1000 / steps for name, us in idle.items()}
 
 
+def _keep_trace(runner, batches, device, steps: int, out: Path, peer: str) -> str:
+    """A chrome trace of ``steps`` steps (CPU and device activity, the bench:: ranges around
+    each half of a step), gzipped into ``out``; returns its file name."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    _sync(device)
+    with profile(activities=activities) as prof:
+        for i in range(steps):
+            with record_function("bench::forward_backward"):
+                runner.forward_backward(*batches[i % len(batches)])
+            with record_function("bench::step"):
+                runner.optimizer_step()
+        _sync(device)
+    name = f"trace_{peer}.json.gz"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as f, gzip.open(out / name, "wb") as kept:
+            shutil.copyfileobj(f, kept)
+    return name
+
+
 def _phases(runner, batches, device, steps: int) -> dict:
     """zenflow's step phases over ``steps`` further steps, a separate trace with CPU activity
     (which slows the host, so it stays out of the idle measurement): ``host_ms`` per step in
@@ -673,6 +706,11 @@ def _worker(args, peer: str) -> int:
             phase_steps = min(profile_steps, PHASE_STEPS)
             record["phases"] = _phases(runner, batches, device, phase_steps)
             _write_json(path, record)
+        trace_steps = args.trace_steps
+        if trace_steps is None:
+            trace_steps = 2 if isinstance(runner, _ZenFlow) and device.type == "cuda" else 0
+        if trace_steps > 0:
+            record["trace"] = _keep_trace(runner, batches, device, trace_steps, out, peer)
         record.update(status="done", total_s=time.perf_counter() - started)
         _write_json(path, record)
         return 0

@@ -3,6 +3,7 @@
 Nothing here is timed against a threshold; the scripts only print tables.
 """
 
+import gzip
 import json
 
 from tests.python_process import ROOT, stdout_of
@@ -85,12 +86,14 @@ def test_bench_gpu_step_quick_on_cpu(tmp_path):
     the same code on the CPU: the zenflow row checks that its timed steps did zenflow's work
     (a select cycle: two CPU updates, one reselection) and the table reports its CPU pass per
     window against the window's time, the host's time after each step's synchronization, and
-    its slowest steps split into what the host knows of them.
+    its slowest steps split into what the host knows of them; a trace of a step is kept.
     (The zenflow-hostsum row differs only on a GPU: on the CPU "auto" keeps the sums on the
     host too.)"""
     rows = ("zenflow", "adamw")
     out = _run(
-        "bench_gpu_step.py", "--device", "cpu", "--out", str(tmp_path), "--peers", ",".join(rows)
+        "bench_gpu_step.py",
+        *("--device", "cpu", "--out", str(tmp_path), "--peers", ",".join(rows)),
+        *("--trace-steps", "1"),
     )
     table = (tmp_path / "bench.md").read_text()
     assert table in out
@@ -105,3 +108,7 @@ def test_bench_gpu_step_quick_on_cpu(tmp_path):
     # The slowest steps, split: a slow step is found from one lease's results.
     (slowest,) = [line for line in table.splitlines() if line.startswith("zenflow slowest")]
     assert slowest.count("host after the sync") == 3
+    # The kept trace, with the step's two halves marked, for reading a GPU's gaps offline.
+    with gzip.open(tmp_path / "trace_zenflow.json.gz") as f:
+        names = {event.get("name") for event in json.load(f)["traceEvents"]}
+    assert {"bench::forward_backward", "bench::step", "zenflow::stage_matmul"} <= names
