@@ -36,11 +36,12 @@
 #   (the DeepSpeed build is waited for here, up to 120 s: nothing is timed while it compiles;
 #    a build whose log has no "built in" line failed, and the DeepSpeed rows then use torch's
 #    Adam on the CPU, labelled)
-#   zenflow   120 s  [115 s: 67 set-up and compile, 6 timed, 42 profiling] bench_gpu_step.py
+#   zenflow   130 s  [115 s: 67 set-up and compile, 6 timed, 42 profiling] bench_gpu_step.py
 #                    --peers zenflow: accumulate_on_device "auto" (device-side sums on one
 #                    GPU); Inductor compiles the model, the device step runs eagerly;
 #                    topk 0.1, update_interval 8, select_interval 64, overlap: 16 warm-up steps,
-#                    a whole select cycle timed and another profiled
+#                    a whole select cycle timed and another profiled, then two steps traced
+#                    (trace_zenflow.json.gz)
 #   ds-offload 60 s  [36 s] bench_gpu_step.py --peers ds-offload  (3 + 16 + 4 steps)
 #   adamw      90 s  [65 s] bench_gpu_step.py --peers adamw
 #   zenflow-hostsum 120 s  [94 s, Inductor's cache warm] zenflow with accumulate_on_device false
@@ -226,7 +227,7 @@ if [[ ${#BACKGROUND[@]} -gt 0 ]] && ! grep -q "built in" "$build_log"; then
     echo "| note | DeepSpeedCPUAdam did not build (ds_cpu_adam_build.log): the DeepSpeed rows use torch's Adam on the CPU | - |" \
         >>"$RES/summary.md"
 fi
-stage zenflow 120 "bench zenflow"
+stage zenflow 130 "bench zenflow"
 stage ds-offload 60 "bench ds-offload $ds_options"
 stage adamw 90 "bench adamw"
 stage zenflow-hostsum 120 "bench zenflow-hostsum"
