@@ -472,9 +472,9 @@ def _idle_split(events: list[dict], steps: int) -> dict[str, float]:
     return {name: us / 1000 / steps for name, us in idle.items()}
 
 
-def _keep_trace(runner, batches, device, steps: int, out: Path, peer: str) -> str:
-    """A chrome trace of ``steps`` steps (CPU and device activity, the bench:: ranges around
-    each half of a step), gzipped into ``out``; returns its file name."""
+def _traced_steps(runner, batches, device, steps: int):
+    """``steps`` steps under torch.profiler with CPU (and device) activity, each half of a step
+    in its range (``bench::forward_backward``, ``bench::step``); returns the profile."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU]
@@ -488,6 +488,13 @@ def _keep_trace(runner, batches, device, steps: int, out: Path, peer: str) -> st
             with record_function("bench::step"):
                 runner.optimizer_step()
         _sync(device)
+    return prof
+
+
+def _keep_trace(runner, batches, device, steps: int, out: Path, peer: str) -> str:
+    """A chrome trace of ``steps`` steps (``_traced_steps``), gzipped into ``out``; returns its
+    file name."""
+    prof = _traced_steps(runner, batches, device, steps)
     name = f"trace_{peer}.json.gz"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
@@ -503,19 +510,7 @@ def _phases(runner, batches, device, steps: int) -> dict:
     each ``zenflow::`` profiler range, and on a GPU ``device_idle_ms`` per step by the host range
     open while the device idled (``bench::forward_backward`` and ``bench::step`` around the
     step's two halves, zenflow's ranges inside them)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    _sync(device)
-    with profile(activities=activities) as prof:
-        for i in range(steps):
-            with record_function("bench::forward_backward"):
-                runner.forward_backward(*batches[i % len(batches)])
-            with record_function("bench::step"):
-                runner.optimizer_step()
-        _sync(device)
+    prof = _traced_steps(runner, batches, device, steps)
     phases = dict(
         host_ms={
             event.key: event.cpu_time_total / 1000 / steps
