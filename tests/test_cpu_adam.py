@@ -304,13 +304,13 @@ def test_fused_boundary_equals_accumulate_then_step(with_last_grad, out_dtype):
 
 def test_async_equals_sync_and_runs_in_order():
     cpu_adam.set_num_threads(3)
-    sync = [_job(40 + i, [2**21], torch.float32, None, False) for i in range(4)]
+    sync = [_job(40 + i, [2**22], torch.float32, None, False) for i in range(4)]
     asyn = copy.deepcopy(sync)
     for args in sync:
         _run_job(args, False)
     # The same tensors updated twice: the second job must see the first one's result.
     handles = [cpu_adam.submit_adamw_step(**args) for args in asyn + asyn]
-    assert not handles[-1].done()  # eight passes over 2M elements, one after another
+    assert not handles[-1].done()  # eight passes over 4M elements, one after another
     for h in handles:
         h.wait()
         assert h.done()
