@@ -436,6 +436,35 @@ def test_step_backend_reads_back_what_it_resolved_to_and_can_be_changed():
     assert opt.step_backend == "eager"
 
 
+def row_scalings_in_an_eager_step(layers: int) -> int:
+    """Ops an eager device step (after warm-up) makes that scale rows by a per-row constant
+    (a ``[rows, width]`` tensor times or over a ``[rows, 1]`` one), for a stack of ``layers``
+    Linear(16, 16) layers."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(layers)))
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **SETTINGS)
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).square().sum().backward()
+        with torch.profiler.profile(record_shapes=True) as prof:
+            opt.step()
+    scalings = 0
+    for event in prof.events():
+        shapes = event.input_shapes
+        if event.name in ("aten::mul_", "aten::div_") and len(shapes) == 2:
+            rows, constants = shapes
+            scalings += len(rows) == 2 and constants == [rows[0], 1] and rows[1] > 1
+    return scalings
+
+
+def test_an_eager_step_scales_rows_once_per_width_not_per_tensor():
+    # torch's multi-tensor kernels take no broadcast: on a GPU a per-tensor scaling is a
+    # kernel launch per tensor (about 290 per op for a 354M GPT), the host's time, not the
+    # device's. Each step scales the denominators and the updates: twice per width.
+    assert row_scalings_in_an_eager_step(6) == row_scalings_in_an_eager_step(24) == 2
+
+
 def test_the_step_shows_its_phases_in_a_profiler_trace():
     data = batches("mlp", 12)
     model = build("mlp")

@@ -19,33 +19,46 @@ from the master itself).
 """
 
 import functools
+import math
 
 import torch
 from torch._dynamo.exc import FailOnRecompileLimitHit
 
 from zenflow.notices import notice
+from zenflow.runtime import side_by_side
 
 
 class StepBuffers:
     """The device step's working memory for one list of row tensors, kept from step to step.
 
     Owns two fp32 buffers of one value per row, each row's AdamW constants (step sizes, bias
-    corrections; ``[rows, 1]`` views per tensor), and, for an element loop that runs eagerly
-    (``scratch``), two fp32 buffers the size of the rows, where it forms its denominators and
-    updates (a view per tensor). All are made once for a list of shapes and refilled by every
-    step: new tensors every step would be several Python objects per tensor and step, enough to
-    set off the garbage collector, whose full passes over a compiled model's objects take a
-    fraction of a second (and on a GPU an allocation each). A compiled loop takes no scratch:
-    Inductor keeps those values in registers, where scratch would cost it two more passes."""
+    corrections), and, for an element loop that runs eagerly (``scratch``), two fp32 buffers
+    the size of the rows, where it forms its denominators and updates (a view per tensor). All
+    are made once for a list of shapes and refilled by every step: new tensors every step would
+    be several Python objects per tensor and step, enough to set off the garbage collector,
+    whose full passes over a compiled model's objects take a fraction of a second (and on a GPU
+    an allocation each). A compiled loop takes no scratch: Inductor keeps those values in
+    registers, where scratch would cost it two more passes.
+
+    The constants scale rows (``[rows, 1]`` against ``[rows, width]``), a broadcast that
+    torch's multi-tensor kernels do not take: eagerly, ``_foreach_mul_`` of such lists falls
+    back to one kernel per tensor (~290 for a 354M GPT, ~4 ms of host time per op on an H200's
+    host). So with scratch the rows are laid out by width, tensors of one width side by side,
+    and the constants are scaled in per width (``scaled_denoms``, ``scaled_updates``: one
+    ``[rows, width]`` block per width, ``step_sizes`` and ``bias_corrections2_sqrt`` their
+    ``[rows, 1]`` constants); without it they are per tensor, for Inductor to fuse."""
 
     def __init__(self, scratch: bool = True):
         self._scratch = scratch
         self._constants: torch.Tensor | None = None
         self._shapes: list[torch.Size] = []
+        self._constant_order: list[int] = []  # tensor positions in the constants' row order
         self.step_sizes: list[torch.Tensor] = []
         self.bias_corrections2_sqrt: list[torch.Tensor] = []
         self.denoms: list[torch.Tensor] | None = None
         self.updates: list[torch.Tensor] | None = None
+        self.scaled_denoms: list[torch.Tensor] | None = None
+        self.scaled_updates: list[torch.Tensor] | None = None
 
     def advance(
         self,
@@ -55,17 +68,16 @@ class StepBuffers:
         beta1: float,
         beta2: float,
     ) -> None:
-        """Fit the buffers to ``rows`` (the masters), advance every row's step count and set,
-        per tensor, each row's step size ``lr / (1 - beta1**step)`` and
-        ``sqrt(1 - beta2**step)``, fp32, as ``[rows, 1]`` columns.
+        """Fit the buffers to ``rows`` (the masters), advance every row's step count and set
+        each row's step size ``lr / (1 - beta1**step)`` and ``sqrt(1 - beta2**step)``, fp32.
 
         Formed once per row in fp64 (a row's step count may be large), eagerly: inside a
         compiled graph Inductor fuses them into the element loop and computes two fp64 powers
         per element (a 1.9M-element step took 11 ms on the development CPU instead of 2.4 ms)."""
         torch._foreach_add_(steps, 1)
-        step64 = torch.cat(steps).to(torch.float64)
         if not self._fits(rows):
-            self._fit([r.shape for r in rows], step64.device)
+            self._fit([r.shape for r in rows], rows[0].device)
+        step64 = torch.cat([steps[i] for i in self._constant_order]).to(torch.float64)
         self._constants[0, :, 0].copy_(lr / (1 - beta1**step64))
         self._constants[1, :, 0].copy_((1 - beta2**step64).sqrt())
 
@@ -79,17 +91,38 @@ class StepBuffers:
 
     def _fit(self, shapes: list[torch.Size], device: torch.device) -> None:
         self._shapes = shapes
-        row_counts = [shape[0] for shape in shapes]
-        self._constants = torch.empty(2, sum(row_counts), 1, device=device)
-        self.step_sizes = list(self._constants[0].split(row_counts))
-        self.bias_corrections2_sqrt = list(self._constants[1].split(row_counts))
         if self._scratch:
-            sizes = [shape.numel() for shape in shapes]
-            scratch = torch.empty(2, sum(sizes), device=device)
-            self.denoms, self.updates = (
-                [part.view(shape) for part, shape in zip(half.split(sizes), shapes, strict=True)]
-                for half in scratch
-            )
+            by_width = side_by_side.indices_by(math.prod(shape[1:]) for shape in shapes)
+        else:
+            by_width = {None: list(range(len(shapes)))}
+        self._constant_order = [i for members in by_width.values() for i in members]
+        ordered = [shapes[i] for i in self._constant_order]
+        row_counts = [shape[0] for shape in ordered]
+        self._constants = torch.empty(2, sum(row_counts), 1, device=device)
+        if not self._scratch:
+            self.step_sizes = list(self._constants[0].split(row_counts))
+            self.bias_corrections2_sqrt = list(self._constants[1].split(row_counts))
+            return
+        # Per width: the constants of its rows, and a [rows, width] block of each scratch
+        # buffer, its tensors' views side by side.
+        width_rows = [sum(shapes[i][0] for i in members) for members in by_width.values()]
+        self.step_sizes = list(self._constants[0].split(width_rows))
+        self.bias_corrections2_sqrt = list(self._constants[1].split(width_rows))
+        scratch = torch.empty(2, side_by_side.elements(ordered), device=device)
+        self.denoms, self.updates = [None] * len(shapes), [None] * len(shapes)
+        self.scaled_denoms, self.scaled_updates = [], []
+        for half, per_tensor, blocks in (
+            (scratch[0], self.denoms, self.scaled_denoms),
+            (scratch[1], self.updates, self.scaled_updates),
+        ):
+            block_shapes = [(r, w) for r, w in zip(width_rows, by_width, strict=True)]
+            for block, members in zip(
+                side_by_side.views(half, block_shapes), by_width.values(), strict=True
+            ):
+                blocks.append(block)
+                parts = block.split([shapes[i][0] for i in members])
+                for i, part in zip(members, parts, strict=True):
+                    per_tensor[i] = part.view(shapes[i])
 
 
 def adamw_elements_(
@@ -101,14 +134,17 @@ def adamw_elements_(
     bias_corrections2_sqrt: list[torch.Tensor],
     denoms: list[torch.Tensor] | None,
     updates: list[torch.Tensor] | None,
+    scaled_denoms: list[torch.Tensor] | None,
+    scaled_updates: list[torch.Tensor] | None,
     decay: torch.Tensor,
     beta1: float,
     beta2: float,
     eps: float,
     destinations: list[torch.Tensor | None],
 ) -> None:
-    """The element loop of AdamW, given each row's constants, scratch for the denominators
-    and updates or None (``StepBuffers``), and the 0-d fp32 ``decay``
+    """The element loop of AdamW, given the rows' constants, scratch for the denominators and
+    updates or None, and the blocks the constants scale (None: ``denoms`` and ``updates``
+    themselves), as ``StepBuffers`` lays them out, and the 0-d fp32 ``decay``
     (``1 - lr * weight_decay``)."""
     torch._foreach_mul_(masters, decay)
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
@@ -116,10 +152,10 @@ def adamw_elements_(
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
     denoms = _copied(exp_avg_sqs, denoms)
     torch._foreach_sqrt_(denoms)
-    torch._foreach_div_(denoms, bias_corrections2_sqrt)
+    torch._foreach_div_(denoms if scaled_denoms is None else scaled_denoms, bias_corrections2_sqrt)
     torch._foreach_add_(denoms, eps)
     updates = _copied(exp_avgs, updates)
-    torch._foreach_mul_(updates, step_sizes)
+    torch._foreach_mul_(updates if scaled_updates is None else scaled_updates, step_sizes)
     torch._foreach_div_(updates, denoms)
     torch._foreach_sub_(masters, updates)
     written = [(d, m) for d, m in zip(destinations, masters, strict=True) if d is not None]
@@ -169,6 +205,8 @@ def selective_adamw_(
         buffers.bias_corrections2_sqrt,
         buffers.denoms,
         buffers.updates,
+        buffers.scaled_denoms,
+        buffers.scaled_updates,
         (1 - lr * weight_decay).to(torch.float32),
         beta1,
         beta2,
