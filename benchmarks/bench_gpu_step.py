@@ -611,12 +611,23 @@ def _worker(args, peer: str) -> int:
         _write_json(path, record)
         print(f"[{peer}] {params / 1e6:.1f}M parameters, set up in {record['built_s']:.1f}s")
         warmup_times = record["warmup_times_s"] = []
+        # zenflow's rows: each step's stack samples and collector pauses, to explain a slow one.
+        samples = None
+        if isinstance(runner, _ZenFlow):
+            from stack_samples import StepSamples  # beside this script, which runs as a file
+
+            samples = StepSamples()
+        warmup_samples = record["warmup_samples"] = []
         for i in range(warmup):
             t0 = time.perf_counter()
+            if samples:
+                samples.begin()
             runner.forward_backward(*batches[i % len(batches)])
             runner.optimizer_step()
             _sync(device)
             warmup_times.append(time.perf_counter() - t0)
+            if samples:
+                warmup_samples.append(samples.end())
             print(f"[{peer}] warm-up step {i + 1}/{warmup}: {warmup_times[-1]:.2f}s", flush=True)
             _write_json(path, record)
         record.update(status="warmed up", setup_s=time.perf_counter() - started, warmup=warmup)
@@ -633,6 +644,8 @@ def _worker(args, peer: str) -> int:
             if device.type == "cuda":
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
             t0 = time.perf_counter()
+            if samples:
+                samples.begin()
             if device.type == "cuda":
                 begin.record()
             loss = runner.forward_backward(x, y)
@@ -647,8 +660,12 @@ def _worker(args, peer: str) -> int:
             stepped = runner.counters()
             kinds.append(_step_kind(counted, stepped))
             per_step.append({k: stepped[k] - counted[k] for k in STEP_COUNTERS if k in stepped})
+            if samples:
+                per_step[-1].update(samples.end())
         _sync(device)
         span = time.perf_counter() - span_start
+        if samples:
+            samples.close()
         after = runner.counters()
         delta = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int | float)}
         moved = delta.get("d2h_bytes", 0) + delta.get("h2d_bytes", 0)
@@ -757,8 +774,33 @@ def _slowest_steps(name: str, record: dict, count: int = 3) -> str:
                 details.append(f"{label} {1000 * step_counted[key]:.1f} ms")
         if "device_syncs" in step_counted:
             details.append(f"{step_counted['device_syncs']} syncs")
+        details += _sampled(step_counted)
         parts.append(part + (f": {', '.join(details)}" if details else ""))
-    return f"{name} slowest timed steps: " + "; ".join(parts)
+    text = f"{name} slowest timed steps: " + "; ".join(parts)
+    warmup = record.get("warmup_times_s") or []
+    sampled = record.get("warmup_samples") or []
+    # The first warm-up step compiles; the others show what only the first windows do.
+    slow = sorted(range(1, len(warmup)), key=warmup.__getitem__, reverse=True)[:count]
+    if slow and sampled:
+        text += f"\n{name} slowest warm-up steps (of {len(warmup)}): " + "; ".join(
+            f"#{i} {1000 * warmup[i]:.1f} ms"
+            + (f": {', '.join(_sampled(sampled[i]))}" if i < len(sampled) else "")
+            for i in slow
+        )
+    return text
+
+
+def _sampled(step: dict) -> list[str]:
+    """A step's collector pauses and most sampled places (``stack_samples.StepSamples``)."""
+    if "gc_s" not in step:
+        return []
+    found = [f"garbage collection {1000 * step['gc_s']:.1f} ms"]
+    if step.get("samples"):
+        found.append(
+            f"{step['samples']} stack samples: "
+            + " | ".join(f"{count}x {place}" for place, count in step["frames"])
+        )
+    return found
 
 
 def _zenflow_work(name: str, record: dict) -> str:

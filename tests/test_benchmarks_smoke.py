@@ -86,7 +86,8 @@ def test_bench_gpu_step_quick_on_cpu(tmp_path):
     the same code on the CPU: the zenflow row checks that its timed steps did zenflow's work
     (a select cycle: two CPU updates, one reselection) and the table reports its CPU pass per
     window against the window's time, the host's time after each step's synchronization, and
-    its slowest steps split into what the host knows of them; a trace of a step is kept.
+    its slowest steps (timed, and of the warm-up) split into what the host knows of them; a
+    trace of a step is kept.
     (The zenflow-hostsum row differs only on a GPU: on the CPU "auto" keeps the sums on the
     host too.)"""
     rows = ("zenflow", "adamw")
@@ -106,8 +107,12 @@ def test_bench_gpu_step_quick_on_cpu(tmp_path):
     assert "CPU pass per window" in work and "(update_interval x mean step)" in work
     assert "host time in step() after the step's synchronization" in work
     # The slowest steps, split: a slow step is found from one lease's results.
-    (slowest,) = [line for line in table.splitlines() if line.startswith("zenflow slowest")]
+    (slowest,) = [line for line in table.splitlines() if line.startswith("zenflow slowest timed")]
     assert slowest.count("host after the sync") == 3
+    assert slowest.count("garbage collection") == 3
+    # And the slowest warm-up steps after the compiling one: a cost of the first windows only.
+    (warmup,) = [line for line in table.splitlines() if line.startswith("zenflow slowest warm")]
+    assert warmup.count("garbage collection") == 3 and "#0 " not in warmup
     # The kept trace, with the step's two halves marked, for reading a GPU's gaps offline.
     with gzip.open(tmp_path / "trace_zenflow.json.gz") as f:
         names = {event.get("name") for event in json.load(f)["traceEvents"]}
