@@ -50,6 +50,9 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor | None, out: torch.Tenso
             )
         index = torch.arange(rows.shape[0])
     index = sent_to(index, rows.device)
+    if not _is_host_transpose(rows):
+        # One call on a GPU's path, which runs once per weight and backward on the host.
+        return torch.index_select(rows, 0, index, out=out)
     if out is None:
         out = rows.new_empty(index.numel(), rows.shape[1])
     fits = (
@@ -57,7 +60,7 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor | None, out: torch.Tenso
         and out.dtype == rows.dtype
         and out.shape == (index.numel(), rows.shape[1])
     )
-    if _is_host_transpose(rows) and fits:
+    if fits:
         src = rows.t()
         index = index.contiguous()
         failed = load_library().zf_gather_columns(
