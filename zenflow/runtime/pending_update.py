@@ -78,13 +78,12 @@ class CopyBuffers:
     """Where a CPU update copies its weights' new rows (in ``OwnedWeight.copy_dtype``): one
     buffer per device and dtype (pinned on a GPU), each weight's rows (``rows``, None where
     the weight takes no copy) a view of it, so that they cross to the device in one copy per
-    buffer. Owns the buffers and the copies of them started early."""
+    buffer. Owns the buffers."""
 
     def __init__(self, weights: list[OwnedWeight]):
         self.rows: list[torch.Tensor | None] = [None] * len(weights)
         keys = [(w.param.device, w.copy_dtype()) for w in weights]
         self._buffers = []  # (device, buffer, members, each member's shape)
-        self._sending = {}  # by id of a buffer: its copy to the device, started early
         for (device, dtype), members in indices_by(keys).items():
             if dtype is None:
                 continue
@@ -95,35 +94,12 @@ class CopyBuffers:
                 self.rows[i] = part
             self._buffers.append((device, buffer, members, shapes))
 
-    def send_when_done(self, wait_for_job) -> None:
-        """Send every GPU buffer to its device as soon as ``wait_for_job()`` returns (the job
-        that fills them is done), from the copy stream's host thread: at the boundary that
-        writes the rows the copy has long landed, where a copy started there would hold the
-        device for its whole length (0.9x a bf16 model's bytes at topk 0.1: ~15 ms for a 354M
-        GPT on an H200). The device copy then takes its memory from the job's end until that
-        boundary."""
-        for entry in self._buffers:
-            device, buffer = entry[0], entry[1]
-            if device.type != "cuda":
-                continue
-            stream = copy_stream(device)
-
-            def send(stream=stream, buffer=buffer):
-                wait_for_job()
-                return stream.prefetch_to_device(buffer)
-
-            self._sending[id(buffer)] = stream.on_host_thread(send)
-
     def on_device(self) -> list[torch.Tensor | None]:
         """Every weight's copied rows on its device (the job is done), one copy per buffer,
-        on the copy stream (started by ``send_when_done``, or now)."""
+        on the copy stream."""
         placed: list[torch.Tensor | None] = [None] * len(self.rows)
         for device, buffer, members, shapes in self._buffers:
-            sending = self._sending.pop(id(buffer), None)
-            if sending is not None:
-                sent = sending.result().take()
-            else:
-                sent, _ = copy_stream(device).copy_to_device(buffer)
+            sent, _ = copy_stream(device).copy_to_device(buffer)
             for i, part in zip(members, views(sent, shapes), strict=True):
                 placed[i] = part
         return placed

@@ -20,9 +20,6 @@ allocation of this size costs more in page faults than the copy itself.
 ``copy_to_device``: the updated parameters' way back. CUDA: from a pinned host buffer, on the
 side stream, with the current stream made to wait for it on the device; the host buffer is free
 again once the returned copy's ``wait()`` returns. CPU: nothing to copy (issued all the same).
-``prefetch_to_device`` starts such a copy early, from the stream's host thread, for the
-current stream to take later (a CPU update's result, sent as soon as the update ends rather
-than at the boundary that writes it).
 
 Waiting is one synchronization (``zenflow.runtime.host_sync``) for every copy issued so far:
 the side stream (and its CPU twin) runs its copies in the order issued, so the host waits for
@@ -164,20 +161,6 @@ class CopyStream:
         device_copy.record_stream(current)
         return device_copy, PendingCopy(source, self, self._issue(event), event)
 
-    def prefetch_to_device(self, source: torch.Tensor) -> "Prefetch":
-        """Start ``source`` (pinned host memory that nothing writes until the copy is taken)
-        on its way to the device now, on the side stream, with no stream waiting for it yet:
-        callable from the stream's host thread. ``Prefetch.take()`` hands the copy to the
-        current stream of the thread that takes it. CPU: ``source`` itself."""
-        if self._stream is None:
-            return Prefetch(source, None)
-        with torch.cuda.stream(self._stream):
-            device_copy = torch.empty_like(source, device=self.device)
-            device_copy.copy_(source, non_blocking=True)
-            event = _copy_event()
-            event.record(self._stream)
-        return Prefetch(device_copy, event)
-
     def on_host_thread(self, work) -> Future:
         """Run ``work()`` on the stream's host thread (its CPU twin's worker, which runs it
         after the copies issued before it), where it may wait for copies (``landed``) while
@@ -196,24 +179,6 @@ class CopyStream:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenflow-copy")
             self._worker_pid = os.getpid()
         return self._worker
-
-
-class Prefetch:
-    """A copy to the device started ahead of its use (``CopyStream.prefetch_to_device``); owns
-    the device copy until ``take()`` hands it over."""
-
-    def __init__(self, device_copy: torch.Tensor, event: "torch.cuda.Event | None"):
-        self._copy = device_copy
-        self._event = event
-
-    def take(self) -> torch.Tensor:
-        """The copy, for work queued on the current stream from now on: that stream waits for
-        it on the device (long done, when it was started early enough), the host not at all."""
-        if self._event is not None:
-            current = torch.cuda.current_stream(self._copy.device)
-            current.wait_event(self._event)
-            self._copy.record_stream(current)
-        return self._copy
 
 
 def _copy_event() -> "torch.cuda.Event":

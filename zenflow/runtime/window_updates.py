@@ -6,8 +6,7 @@ the window's sum, plus the last step's rows where it folds them in, divided by t
 committed steps). The job also copies the new values, in the same pass, into a buffer in the
 parameter's dtype (rounded for a 16-bit model; pinned for any model on a GPU), so that writing
 them back converts and copies nothing on the training thread. A synchronous update is applied
-at once; an overlapped one stays pending until the next window boundary, its result sent to a
-GPU as soon as the job ends (``CopyBuffers.send_when_done``), so that the boundary finds it there.
+at once; an overlapped one stays pending until the next window boundary.
 
 With device-side sums the job reads the sums shipped to the host at the close. An overlapped
 update waits for them on the copy stream's host thread and is submitted from there
@@ -95,7 +94,6 @@ class WindowUpdates:
             )
         update = PendingUpdate(handle, entries, copies)
         if background:
-            copies.send_when_done(handle.wait)
             self.pending.append(update)
         return update
 
