@@ -58,8 +58,9 @@ which include compilation and DeepSpeed's worker start; else 3):
 Each row writes DIR/bench_<row>.json as soon as it is timed and again after profiling, then
 DIR/bench.md (the table of every row present so far), so a run cut short still reports. On a
 GPU the zenflow rows also keep the last thing they do: a chrome trace of --trace-steps (2)
-ordinary steps, CPU and CUDA activity with the bench:: and zenflow:: ranges, in
-DIR/trace_<row>.json.gz (open it in Perfetto), to read the device's gaps where the lease ran.
+ordinary steps in the middle of a window, CPU and CUDA activity with the bench:: and zenflow::
+ranges, in DIR/trace_<row>.json.gz (open it in Perfetto), to read the device's gaps where the
+lease ran.
 """
 
 import argparse
@@ -491,9 +492,12 @@ def _traced_steps(runner, batches, device, steps: int):
     return prof
 
 
-def _keep_trace(runner, batches, device, steps: int, out: Path, peer: str) -> str:
-    """A chrome trace of ``steps`` steps (``_traced_steps``), gzipped into ``out``; returns its
-    file name."""
+def _keep_trace(runner, batches, device, steps: int, out: Path, peer: str, skip: int = 0) -> str:
+    """A chrome trace of ``steps`` steps (``_traced_steps``) after ``skip`` untraced ones,
+    gzipped into ``out``; returns its file name."""
+    for i in range(skip):
+        runner.forward_backward(*batches[i % len(batches)])
+        runner.optimizer_step()
     prof = _traced_steps(runner, batches, device, steps)
     name = f"trace_{peer}.json.gz"
     with tempfile.TemporaryDirectory() as tmp:
@@ -722,7 +726,10 @@ def _worker(args, peer: str) -> int:
         if trace_steps is None:
             trace_steps = 2 if isinstance(runner, _ZenFlow) and device.type == "cuda" else 0
         if trace_steps > 0:
-            record["trace"] = _keep_trace(runner, batches, device, trace_steps, out, peer)
+            # zenflow: steps in the middle of a window (the rows above end on a window close),
+            # away from the closes and from the CPU pool's pass that follows each.
+            skip = args.update_interval // 2 if isinstance(runner, _ZenFlow) else 0
+            record["trace"] = _keep_trace(runner, batches, device, trace_steps, out, peer, skip)
         record.update(status="done", total_s=time.perf_counter() - started)
         _write_json(path, record)
         return 0
