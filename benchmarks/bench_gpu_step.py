@@ -2,7 +2,8 @@
 
     python benchmarks/bench_gpu_step.py [--device cuda] [--out DIR] [--peers zenflow,ds-offload,ds-zenflow,adamw]
         [--layers 24] [--width 1024] [--heads 16] [--seq 512] [--batch 8] [--vocab 50304]
-        [--update-interval 8] [--select-interval 64] [--warmup N] [--steps N]
+        [--update-interval 8] [--select-interval 64] [--pt-reserved-cores-perc 0.5]
+        [--warmup N] [--steps N]
         [--profile-steps N] [--trace-steps N] [--inner inductor] [--peer-timeout S]
     python benchmarks/bench_gpu_step.py --device cpu --quick   # a smoke run of the same code on CPU
     python benchmarks/bench_gpu_step.py --summarize --out DIR  # the table from the JSON files in DIR
@@ -117,6 +118,12 @@ def _args(argv=None):
         "--trace-steps", type=int, default=None, help="zenflow rows on a GPU: a kept trace (2)"
     )
     parser.add_argument(
+        "--pt-reserved-cores-perc",
+        type=float,
+        default=None,
+        help="zenflow rows and ds-zenflow: the cores kept from the CPU pool (0.5, both's default)",
+    )
+    parser.add_argument(
         "--inner",
         choices=("inductor", "eager"),
         default=None,
@@ -146,12 +153,15 @@ def _args(argv=None):
 
 def _zenflow_settings(args) -> dict:
     """zenflow's settings for the zenflow rows and DeepSpeed's ZenFlow."""
-    return dict(
+    settings = dict(
         topk_ratio=0.1,
         update_interval=args.update_interval,
         select_interval=args.select_interval,
         overlap_step=True,
     )
+    if args.pt_reserved_cores_perc is not None:
+        settings["pt_reserved_cores_perc"] = args.pt_reserved_cores_perc
+    return settings
 
 
 def _runs_cycles(peer: str) -> bool:

@@ -139,6 +139,9 @@ if torch.cuda.is_available():
     print(p.name, f"{p.total_memory / 2**30:.0f} GiB", p.multi_processor_count, "SMs")'
     "$PYTHON" -m pip list 2>/dev/null | grep -Ei '^(torch|triton|deepspeed|pydantic|hjson|setuptools|numpy|pytest|ninja) '
     echo "cores $(nproc)"
+    if command -v lscpu >/dev/null; then # hyperthreads share a core with the CPU pool's workers
+        lscpu | grep -E '^(Model name|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)|NUMA node\(s\)):'
+    fi
     free -g | head -2
     df -h . /tmp /dev/shm | tail -3
     echo "ulimit -l (pinned memory): $(ulimit -l)"

@@ -94,7 +94,7 @@ def test_bench_gpu_step_quick_on_cpu(tmp_path):
     out = _run(
         "bench_gpu_step.py",
         *("--device", "cpu", "--out", str(tmp_path), "--peers", ",".join(rows)),
-        *("--trace-steps", "1"),
+        *("--trace-steps", "1", "--pt-reserved-cores-perc", "0.75"),
     )
     table = (tmp_path / "bench.md").read_text()
     assert table in out
@@ -102,6 +102,8 @@ def test_bench_gpu_step_quick_on_cpu(tmp_path):
         record = json.loads((tmp_path / f"bench_{row}.json").read_text())
         assert record["status"] == "done", record.get("error")
         assert f"\n| {row} | done |" in table
+    zenflow_row = json.loads((tmp_path / "bench_zenflow.json").read_text())
+    assert zenflow_row["settings"]["pt_reserved_cores_perc"] == 0.75
     (work,) = [line for line in table.splitlines() if line.startswith("zenflow over the timed")]
     assert "cpu_updates 2, reselections 1" in work
     assert "CPU pass per window" in work and "(update_interval x mean step)" in work
