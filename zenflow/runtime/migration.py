@@ -77,7 +77,7 @@ class EnteringRows:
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, (_, host, positions, dtype) in enumerate(self._queued):
             if host.device.type != "cpu":  # a device-side staged sum (one rank): no crossing
-                sent[i] = _take(host, positions).to(dtype)
+                sent[i] = _in_dtype(_take(host, positions), dtype)
             else:
                 by_dtype.setdefault(host.dtype, []).append(i)
         for host_dtype, members in by_dtype.items():
@@ -87,7 +87,7 @@ class EnteringRows:
                 self._gather(i, part)
             on_device = self.comm.all_reduce_sum_(flat.to(self.device, non_blocking=True))
             for i, part in zip(members, views(on_device, shapes), strict=True):
-                sent[i] = part.to(self._queued[i][3])
+                sent[i] = _in_dtype(part, self._queued[i][3])
         self._queued = []
         return sent
 
@@ -126,7 +126,7 @@ class LeavingRows:
         a device's (on a CPU-only machine the two look alike, and only the latter is waited
         for, as on a GPU)."""
         crosses = host.device.type == "cpu" and not on_host
-        self._queued.append((_take(device, index).to(host.dtype), crosses))
+        self._queued.append((_in_dtype(_take(device, index), host.dtype), crosses))
         return len(self._queued) - 1
 
     def send(self) -> None:
@@ -197,4 +197,13 @@ def _take(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _put(tensor: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
-    tensor.index_copy_(0, sent_to(index, tensor.device), rows.to(tensor.device))
+    if rows.device != tensor.device:
+        rows = rows.to(tensor.device)
+    tensor.index_copy_(0, sent_to(index, tensor.device), rows)
+
+
+def _in_dtype(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` in ``dtype``: compared in Python first, since even a conversion to the dtype a
+    tensor has is a dispatched call (several per weight at a select boundary, on the host's
+    time while a GPU waits)."""
+    return rows if rows.dtype == dtype else rows.to(dtype)

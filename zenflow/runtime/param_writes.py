@@ -17,6 +17,7 @@ import torch
 
 from zenflow.columns import as_matrix
 from zenflow.runtime.cpu_adam import _load as load_library
+from zenflow.runtime.streams import sent_to
 
 # Below this many elements torch's strided copy is done before csrc's threads would wake.
 TILED_SCATTER_MIN_ELEMENTS = 1 << 16
@@ -44,7 +45,7 @@ def write_columns(
         matrix.index_copy_(1, in_order, rows.t().index_select(1, position))
         return
     if matrix.device.type != "cpu" or not _tiled_scatter_fits(matrix, rows):
-        matrix.index_copy_(1, columns.to(matrix.device), rows.t())
+        matrix.index_copy_(1, sent_to(columns, matrix.device), rows.t())
         return
     rows = rows.contiguous()
     columns = columns.to("cpu", torch.int64).contiguous()
