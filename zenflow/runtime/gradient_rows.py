@@ -41,8 +41,9 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor | None, out: torch.Tenso
     A transposed view of a row-major matrix on the CPU (a gradient the graph produced as
     ``[out, columns]``) is gathered by csrc's tiled kernel: torch's strided copy would read it
     one element per cache line, several times slower."""
+    host_transpose = _is_host_transpose(rows)
     if index is None:
-        if not _is_host_transpose(rows):
+        if not host_transpose:
             return (
                 rows.clone(memory_format=torch.contiguous_format)
                 if out is None
@@ -50,7 +51,7 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor | None, out: torch.Tenso
             )
         index = torch.arange(rows.shape[0])
     index = sent_to(index, rows.device)
-    if not _is_host_transpose(rows):
+    if not host_transpose:
         # One call on a GPU's path, which runs once per weight and backward on the host.
         return torch.index_select(rows, 0, index, out=out)
     if out is None:

@@ -111,11 +111,11 @@ class StepBuffers:
         scratch = torch.empty(2, side_by_side.elements(ordered), device=device)
         self.denoms, self.updates = [None] * len(shapes), [None] * len(shapes)
         self.scaled_denoms, self.scaled_updates = [], []
+        block_shapes = list(zip(width_rows, by_width, strict=True))
         for half, per_tensor, blocks in (
             (scratch[0], self.denoms, self.scaled_denoms),
             (scratch[1], self.updates, self.scaled_updates),
         ):
-            block_shapes = [(r, w) for r, w in zip(width_rows, by_width, strict=True)]
             for block, members in zip(
                 side_by_side.views(half, block_shapes), by_width.values(), strict=True
             ):
