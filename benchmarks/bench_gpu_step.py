@@ -194,7 +194,17 @@ def _step_done(device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-class _ZenFlow:
+class _Runner:
+    """A row's training step in its halves: ``forward`` (the loss), ``backward``, and
+    ``optimizer_step``."""
+
+    def forward_backward(self, x, y):
+        loss = self.forward(x, y)
+        self.backward(loss)
+        return loss
+
+
+class _ZenFlow(_Runner):
     def __init__(self, peer, model, args):
         import torch
 
@@ -214,10 +224,11 @@ class _ZenFlow:
         )
         self.model = torch.compile(model, backend="zenflow", options={"inner": args.inner})
 
-    def forward_backward(self, x, y):
-        _, loss = self.model(x, y)
+    def forward(self, x, y):
+        return self.model(x, y)[1]
+
+    def backward(self, loss):
         loss.backward()
-        return loss
 
     def optimizer_step(self):
         self.opt.step()
@@ -230,7 +241,7 @@ class _ZenFlow:
         return None
 
 
-class _AdamW:
+class _AdamW(_Runner):
     """No offload: everything on the device; fp32 masters when the model is 16-bit."""
 
     def __init__(self, peer, model, args):
@@ -245,10 +256,11 @@ class _AdamW:
         backend = "inductor" if args.inner == "inductor" else "aot_eager"
         self.model = torch.compile(model, backend=backend)
 
-    def forward_backward(self, x, y):
-        _, loss = self.model(x, y)
+    def forward(self, x, y):
+        return self.model(x, y)[1]
+
+    def backward(self, loss):
         loss.backward()
-        return loss
 
     def optimizer_step(self):
         import torch
@@ -272,7 +284,7 @@ class _AdamW:
         return 0
 
 
-class _DeepSpeed:
+class _DeepSpeed(_Runner):
     def __init__(self, peer, model, args):
         import torch
 
@@ -312,10 +324,11 @@ class _DeepSpeed:
             model=model, model_parameters=model.parameters(), config=config
         )
 
-    def forward_backward(self, x, y):
-        _, loss = self.engine(x, y)
+    def forward(self, x, y):
+        return self.engine(x, y)[1]
+
+    def backward(self, loss):
         self.engine.backward(loss)
-        return loss
 
     def optimizer_step(self):
         self.engine.step()
@@ -649,7 +662,7 @@ def _worker(args, peer: str) -> int:
         print(f"[{peer}] set up, compiled and warmed up in {record['setup_s']:.1f}s", flush=True)
 
         before = runner.counters()
-        times, spans, losses, kinds, per_step = [], [], [], [], []
+        times, spans, losses, kinds, per_step, host = [], [], [], [], [], []
         _sync(device)
         span_start = time.perf_counter()
         for i in range(steps):
@@ -662,12 +675,17 @@ def _worker(args, peer: str) -> int:
                 samples.begin()
             if device.type == "cuda":
                 begin.record()
-            loss = runner.forward_backward(x, y)
+            loss = runner.forward(x, y)
+            t1 = time.perf_counter()
+            runner.backward(loss)
+            t2 = time.perf_counter()
             if device.type == "cuda":
                 end.record()
             runner.optimizer_step()
+            t3 = time.perf_counter()
             _step_done(device)
             times.append(time.perf_counter() - t0)
+            host.append((t1 - t0, t2 - t1, t3 - t2))
             if device.type == "cuda":
                 spans.append(begin.elapsed_time(end) / 1000)
             losses.append(float(loss.detach().float()))
@@ -700,6 +718,7 @@ def _worker(args, peer: str) -> int:
             losses=losses,
             step_kinds=kinds,
             fwd_bwd_s=spans,
+            host_s=host,
             step_counters=per_step,
             counters=delta,
             bytes_per_step=moved / steps if after else analytic,
@@ -804,6 +823,33 @@ def _slowest_steps(name: str, record: dict, count: int = 3) -> str:
             + (f": {', '.join(_sampled(sampled[i]))}" if i < len(sampled) else "")
             for i in slow
         )
+    return text
+
+
+def _host_split(name: str, record: dict) -> str | None:
+    """The host's time in each part of a step, unprofiled (the profiler's own cost per
+    operation is larger than many of the operations): medians over the steps inside a window
+    for a zenflow row, over every timed step otherwise. A part whose host time exceeds what the
+    device spends on it is where the device waits."""
+    host = record.get("host_s") or []
+    if not host:
+        return None
+    kinds = record.get("step_kinds") or []
+    chosen = [i for i, kind in enumerate(kinds) if kind == "inside a window"]
+    which = f"the {len(chosen)} steps inside a window"
+    if not chosen:
+        chosen, which = list(range(len(host))), f"{len(host)} steps"
+    forward, backward, step = (
+        1000 * statistics.median(host[i][part] for i in chosen) for part in range(3)
+    )
+    text = (
+        f"{name} host ms per step, unprofiled (medians over {which}): forward {forward:.1f}, "
+        f"backward {backward:.1f}, optimizer step {step:.1f}"
+    )
+    spans = record.get("fwd_bwd_s") or []
+    if len(spans) == len(host):
+        device = 1000 * statistics.median(spans[i] for i in chosen)
+        text += f"; forward+backward on the device's clock {device:.1f}"
     return text
 
 
@@ -949,6 +995,8 @@ def _summarize(args) -> str:
             about.append(f"{name} device idle by host range failed: {phases['device_idle_error']}")
         if r.get("step_times_s"):
             about.append(_slowest_steps(name, r))
+        if _host_split(name, r):
+            about.append(_host_split(name, r))
         lines += [""] + about if about else []
     for name, r in records.items():
         if name.startswith("zenflow") and r.get("counters"):

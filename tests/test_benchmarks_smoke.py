@@ -115,6 +115,9 @@ def test_bench_gpu_step_quick_on_cpu(tmp_path):
     # And the slowest warm-up steps after the compiling one: a cost of the first windows only.
     (warmup,) = [line for line in table.splitlines() if line.startswith("zenflow slowest warm")]
     assert warmup.count("garbage collection") == 3 and "#0 " not in warmup
+    # The host's time per part of a step, unprofiled, for every row.
+    for row in rows:
+        assert f"\n{row} host ms per step, unprofiled (medians over " in table
     # The kept trace, with the step's two halves marked, for reading a GPU's gaps offline.
     with gzip.open(tmp_path / "trace_zenflow.json.gz") as f:
         names = {event.get("name") for event in json.load(f)["traceEvents"]}

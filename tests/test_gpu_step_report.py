@@ -67,6 +67,37 @@ def test_the_table_reports_each_rows_idle_split_largest_first(bench_gpu_step, tm
     assert "zenflow device idle by host range failed: KeyError: 'ts'\n" in table
 
 
+def test_the_hosts_time_per_part_is_over_the_steps_inside_a_window(bench_gpu_step, tmp_path):
+    """Unprofiled medians of the host's forward, backward and step, beside the device's
+    forward+backward: a window's closing step (slow on the host) stays out of them."""
+    inside = "inside a window"
+    record = dict(
+        peer="zenflow",
+        status="done",
+        steps=4,
+        median_s=0.07,
+        mean_s=0.08,
+        step_times_s=[0.07, 0.07, 0.07, 0.2],
+        step_kinds=[inside, inside, inside, "window close"],
+        host_s=[[0.008, 0.030, 0.012], [0.010, 0.034, 0.010], [0.009, 0.032, 0.011], [1, 1, 1]],
+        fwd_bwd_s=[0.05, 0.052, 0.051, 0.5],
+    )
+    (tmp_path / "bench_zenflow.json").write_text(json.dumps(record))
+    (tmp_path / "bench_adamw.json").write_text(
+        json.dumps(dict(_row("adamw", 0.03, "done", True), host_s=[[0.004, 0.006, 0.002]] * 4))
+    )
+    table = bench_gpu_step._summarize(argparse.Namespace(out=str(tmp_path)))
+    assert (
+        "zenflow host ms per step, unprofiled (medians over the 3 steps inside a window): "
+        "forward 9.0, backward 32.0, optimizer step 11.0; forward+backward on the device's "
+        "clock 51.0\n"
+    ) in table
+    assert (
+        "adamw host ms per step, unprofiled (medians over 4 steps): forward 4.0, backward 6.0, "
+        "optimizer step 2.0\n"
+    ) in table
+
+
 def _row(peer: str, mean_s: float, status: str, timings_valid: bool) -> dict:
     return dict(
         peer=peer,

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.forked import result_in_forked_child
+from tests.python_process import stdout_of
 from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.streams import CopyStream, copy_stream
 
@@ -116,3 +117,37 @@ def test_a_failed_copy_raises_at_the_wait_that_covers_it():
     with pytest.raises(RuntimeError, match="size"):
         fine.wait(HostSync())
     assert failing.wait(HostSync()) is not None  # known done since: no second raise
+
+
+_THREADS_AFTER_A_WORKER_COPY = """
+import os, torch
+from zenflow.runtime.host_sync import HostSync
+from zenflow.runtime.streams import CopyStream
+
+torch.set_num_threads(2)
+torch.ones(1 << 22).mul_(2)  # the training thread's own OpenMP team, started
+before = len(os.listdir("/proc/self/task"))
+source = torch.arange(float(1 << 22))
+out = torch.empty_like(source)
+stream = CopyStream(torch.device("cpu"))  # kept: its worker ends with it
+stream.copy_to_host(source, out=out, owned=True).wait(HostSync())
+assert torch.equal(out, torch.arange(float(1 << 22)))
+print(len(os.listdir("/proc/self/task")) - before)
+"""
+
+
+def test_the_worker_copies_without_a_second_openmp_team():
+    """[Note: OpenMP teams] in streams.py: a large copy on the worker starts the worker and no
+    thread besides it (torch's copy there would start a second OpenMP team, which slows every
+    later parallel operation of the training thread)."""
+    started = stdout_of(["-c", _THREADS_AFTER_A_WORKER_COPY], timeout_s=120)
+    assert started.split() == ["1"]
+
+
+def test_the_worker_refuses_a_copy_between_dtypes():
+    stream = CopyStream(torch.device("cpu"))
+    pending = stream.copy_to_host(
+        torch.ones(8), out=torch.empty(8, dtype=torch.bfloat16), owned=True
+    )
+    with pytest.raises(RuntimeError, match="one size and dtype"):
+        pending.wait(HostSync())

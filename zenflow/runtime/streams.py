@@ -8,8 +8,8 @@ a source the caller owns), then copies the snapshot to pinned host memory on a s
 backward pass.
 
 CPU: the device is the host. A source the caller owns is copied by the stream's worker thread
-(the side stream's twin, one copy after another in the order issued), and ``wait()`` joins that
-copy; any other source is copied at once, which is its snapshot and its transfer in one. Every
+(the side stream's twin, one copy after another in the order issued, each a plain ``memmove``:
+see [Note: OpenMP teams]), and ``wait()`` joins that copy; any other source is copied at once, which is its snapshot and its transfer in one. Every
 copy is issued on the twin all the same, so waiting for it counts one synchronization exactly
 where waiting for a GPU's copy does. The runtime's code is the same either way, so its overlap
 logic and its synchronizations run, and are tested, on CPU.
@@ -28,6 +28,7 @@ waited for, so that a failed copy raises whichever wait covers it). Waiting for 
 known done costs none.
 """
 
+import ctypes
 import functools
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -115,7 +116,7 @@ class CopyStream:
         again), so no snapshot is taken; the copy keeps it alive until done."""
         if self._stream is None:
             if owned and out is not None:
-                job = self._host_worker().submit(out.copy_, source)
+                job = self._host_worker().submit(_copy_bytes, out, source)
                 return PendingCopy(out, self, self._issue(job), job)
             # Copied now (a source the caller keeps may change after the call) or not at all
             # (an owned source is its own copy), but issued all the same: waiting for it then
@@ -192,6 +193,27 @@ def _on_device(device: torch.device, work):
     it makes act on that device's context, not the default device's."""
     torch.cuda.set_device(device)
     return work()
+
+
+def _copy_bytes(out: torch.Tensor, source: torch.Tensor) -> None:
+    """``out.copy_(source)`` for two contiguous host tensors of one shape and dtype, as one
+    ``memmove`` (the GIL released), for the CPU twin's worker: the copy engine's twin.
+
+    [Note: OpenMP teams] torch's own copy of a large tensor runs on OpenMP threads, and the
+    first parallel region a second thread enters gives the process a second team of them.
+    Once GNU OpenMP manages more threads than there are cores it stops spinning between
+    regions, so every later parallel operation of the training thread waits for its sleeping
+    team to wake: on a 2-core machine a 64 x 64 matmul went from 5 to 100 us for the rest of
+    the run, after the first window's device-side sums were copied here."""
+    if out.shape != source.shape or out.dtype != source.dtype:
+        raise RuntimeError(
+            f"copy of a {source.dtype} tensor of size {list(source.shape)} into a {out.dtype} "
+            f"tensor of size {list(out.shape)}: the copy stream's CPU twin copies between "
+            "tensors of one size and dtype"
+        )
+    if not (out.is_contiguous() and source.is_contiguous()):
+        raise RuntimeError("the copy stream's CPU twin copies between contiguous tensors")
+    ctypes.memmove(out.data_ptr(), source.data_ptr(), out.numel() * out.element_size())
 
 
 def _done() -> Future:
