@@ -1,7 +1,7 @@
 """The operations the training thread dispatches per weight and step: what keeps a GPU waiting.
 
     .venv/bin/python benchmarks/bench_host_ops.py [--quick] [--layers 96] [--dtype both]
-        [--cycles 32] [--update-interval 4] [--select-interval 8]
+        [--cycles 32] [--update-interval 4] [--select-interval 8] [--threads 1]
 
 On a GPU every operation the host dispatches is a kernel launch (or at least a trip through
 the dispatcher), a few microseconds each: a model of many small weights, or one whose step is
@@ -91,6 +91,13 @@ def _args(argv=None):
     parser.add_argument("--cycles", type=int, default=None, help="timed select cycles (32)")
     parser.add_argument("--update-interval", type=int, default=4, help="zenflow's (4)")
     parser.add_argument("--select-interval", type=int, default=8, help="zenflow's (8)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch's intra-op threads (1: the layers are too small to share; more shows what "
+        "a process's threads do to each other's small operations)",
+    )
     args = parser.parse_args(argv)
     if args.update_interval < 1 or args.select_interval % args.update_interval:
         parser.error("--select-interval must be a multiple of --update-interval (>= 1)")
@@ -330,14 +337,15 @@ def _cell(value: float | None, scale: float) -> str:
 def main(argv=None) -> None:
     args = _args(argv)
     cadence = Cadence(args.update_interval, args.select_interval)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     dtypes = {"fp32": [torch.float32], "bf16": [torch.bfloat16]}.get(
         args.dtype, [torch.float32, torch.bfloat16]
     )
     rows = ("zenflow device sums", "zenflow host sums", "torch adamw foreach", "torch adamw fused")
     print("# bench_host_ops: operations dispatched per weight and step (top-level aten ops)")
     print(
-        f"model: {args.layers} x Linear(64, 64), batch 8; torch {torch.__version__}; "
+        f"model: {args.layers} x Linear(64, 64), batch 8; torch {torch.__version__}, "
+        f"{args.threads} thread(s); "
         f"zenflow {', '.join(f'{k} {v}' for k, v in cadence.settings().items())}; one select "
         "cycle"
     )

@@ -75,7 +75,8 @@ def test_bench_auto_interval_quick(tmp_path):
 
 
 def test_bench_host_ops_quick():
-    out = _run("bench_host_ops.py")
+    out = _run("bench_host_ops.py", "--threads", "2")
+    assert "2 thread(s)" in out
     assert "## float32: operations per layer" in out
     for row in ("zenflow device sums", "zenflow host sums", "torch adamw foreach"):
         assert any(line.startswith(row) for line in out.splitlines()), row

@@ -9,7 +9,7 @@ import torch
 from tests.forked import result_in_forked_child
 from tests.python_process import stdout_of
 from zenflow.runtime.host_sync import HostSync
-from zenflow.runtime.streams import CopyStream, copy_stream
+from zenflow.runtime.streams import CopyStream, copy_stream, sent_to
 
 
 def test_copy_to_host_snapshots_the_source():
@@ -151,3 +151,14 @@ def test_the_worker_refuses_a_copy_between_dtypes():
     )
     with pytest.raises(RuntimeError, match="one size and dtype"):
         pending.wait(HostSync())
+
+
+def test_a_host_tensor_crosses_to_a_device_once_while_it_lives():
+    """A reselection sends each row index for every state tensor it moves: the index
+    crosses once ("meta" stands for a device here: a copy to it is made, not shared)."""
+    index = torch.arange(6)
+    sent = sent_to(index, torch.device("meta"))
+    assert sent.device.type == "meta" and sent.shape == (6,)
+    assert sent_to(index, "meta") is sent
+    assert sent_to(torch.arange(6), "meta") is not sent  # another tensor: its own copy
+    assert sent_to(index, "cpu") is index  # already there

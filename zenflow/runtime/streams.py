@@ -34,6 +34,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zenflow.runtime.host_sync import HostSync
 
@@ -227,13 +228,24 @@ def sent_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor made on the host that nothing writes again (an index, a collective's input),
     on ``device`` for work queued there. To a GPU through pinned memory and without the host
     waiting: a copy from pageable memory, even a non-blocking one, first waits for the
-    device's stream."""
+    device's stream. A host tensor crosses once per device, while it lives: a reselection
+    sends each of a weight's row indices for every state tensor it moves (four or five), and
+    each send is a pinned copy and a transfer on the host's time while the device waits."""
     device = torch.device(device)
     if tensor.device == device:
         return tensor
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
+    if tensor.device.type != "cpu":
+        return tensor.to(device)
+    copies = _sent_from_host.setdefault(tensor, {})
+    sent = copies.get(device)
+    if sent is None:
+        pinned = tensor.pin_memory() if device.type == "cuda" else tensor
+        sent = copies[device] = pinned.to(device, non_blocking=True)
+    return sent
+
+
+# Host tensor (by identity, held weakly) -> device -> its copy there, for ``sent_to``.
+_sent_from_host = WeakIdKeyDictionary()
 
 
 @functools.cache
