@@ -42,9 +42,12 @@ def training(
     device_sums: bool | None,
     select_interval: int = 8,
     dtype: torch.dtype = torch.float32,
+    lr: float = 1e-3,
 ):
     """A model of ``layers`` Linear(32, 32) compiled with zenflow and its ZenFlowAdamW, or with
-    ``device_sums`` None, compiled with aot_eager (the same eager backward) and torch's AdamW."""
+    ``device_sums`` None, compiled with aot_eager (the same eager backward) and torch's AdamW.
+    With ``lr`` 0 every step's gradient is the first's: each select boundary chooses the
+    columns already selected."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(layers))).to(dtype)
     if device_sums is None:
@@ -52,7 +55,7 @@ def training(
         return torch.compile(model, backend="aot_eager"), opt
     opt = zenflow.ZenFlowAdamW(
         model.parameters(),
-        lr=1e-3,
+        lr=lr,
         topk_ratio=0.25,
         update_interval=4,
         select_interval=select_interval,
@@ -70,11 +73,12 @@ def ops_at(
     steps: tuple[int, ...] = INSIDE_A_WINDOW[1:],
     select_interval: int = 8,
     dtype: torch.dtype = torch.float32,
+    lr: float = 1e-3,
 ) -> list[str]:
     """The working operations of the backward or of ``step()`` + ``zero_grad()`` at ``steps``,
     alike on each of them (by default the steps inside a window, after the first, which makes
     the new selection's indices)."""
-    compiled, opt = training(layers, device_sums, select_interval, dtype)
+    compiled, opt = training(layers, device_sums, select_interval, dtype, lr)
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0)).to(dtype)
     activities = [torch.profiler.ProfilerActivity.CPU]
     counted = []
@@ -93,7 +97,7 @@ def ops_at(
 
 def per_extra_layer(device_sums: bool | None, counted_part: str, **at) -> dict[str, float]:
     """The operations that 10 layers dispatch beyond 4, per extra layer (``at``: ``ops_at``'s
-    steps, select_interval and dtype)."""
+    steps, select_interval, dtype and lr)."""
     few, many = (collections.Counter(ops_at(n, device_sums, counted_part, **at)) for n in (4, 10))
     return _per_extra_layer(few, many)
 
@@ -153,28 +157,68 @@ def test_a_window_close_with_device_side_sums_adds_one_write_per_weight():
     assert per_layer == {"aten::index_copy_": 2.0}
 
 
-def test_a_select_boundary_with_device_side_sums_moves_rows_and_leaves_index_arithmetic_to_numpy():
-    """A select boundary (step 15 of select_interval 8), per extra layer: the columns' scores
-    (a norm and a square of each of the staged rows' two parts, joined and put back in column
-    order), the top-k choice (two sorts), the layout's new order, the entering columns' host
-    rows gathered for the transfer (master, moments, steps, the window sum's, and the sum's
-    offset), the leaving rows taken from the device state and the entering ones put in their
-    place (four each), and three column writes (the step's selected columns, the entering
-    ones after their update, the pending window's unselected ones). The new layout's index
-    arithmetic runs in numpy, which the profiler does not count. Before: 54 more operations
-    per weight (masks, positions, partitions and a host read, each a torch dispatch)."""
-    per_layer = per_extra_layer(True, "step", steps=(15,), select_interval=8)
-    assert per_layer == {
-        "aten::linalg_vector_norm": 2.0,
-        "aten::square_": 2.0,
-        "aten::cat": 2.0,
-        "aten::empty_like": 1.0,
-        "aten::index_put_": 1.0,
-        "aten::sort": 2.0,
-        "aten::sub": 1.0,
-        "aten::index_select": 9.0,
-        "aten::index_copy_": 7.0,
+def reselection_ops(layers: int, lr: float) -> tuple[collections.Counter, collections.Counter, int]:
+    """With device-side sums (select_interval 8): the working operations of the select
+    boundary at step 15 and of the window close after it (step 19), and how many weights'
+    selections that boundary changed (``selected_columns`` before and after it)."""
+    compiled, opt = training(layers, True, lr=lr)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    weights = [m.weight for m in compiled._orig_mod]
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    counted, before = {}, None
+    for i in range(20):
+        compiled(x).square().mean().backward()
+        if i == 15:
+            before = [opt.selected_columns(w) for w in weights]
+        with torch.profiler.profile(activities=activities) as stepped:
+            opt.step()
+            opt.zero_grad()
+        counted[i] = collections.Counter(working_ops(stepped))
+    changed = sum(
+        not torch.equal(was, opt.selected_columns(w))
+        for was, w in zip(before, weights, strict=True)
+    )
+    return counted[15], counted[19], changed
+
+
+@pytest.mark.parametrize("lr", [0.0, 1e-3], ids=["same-columns", "columns-change"])
+def test_a_select_boundary_moves_rows_only_for_the_weights_whose_columns_change(lr):
+    """A select boundary with device-side sums, per extra layer: the columns' scores (a norm
+    and a square of each of the staged rows' two parts, joined and put back in column order),
+    the top-k choice (two sorts), and two column writes (the step's selected columns, the
+    pending window's unselected ones). Per extra weight whose columns change, besides: the new
+    layout's order, the entering columns' host rows gathered for the transfer (master,
+    moments, steps, the window sum's, and the sum's offset), the leaving rows taken from the
+    device state and the entering ones put in their place (four each), and the entering
+    columns written after their update; at the window close after it, the leaving rows put in
+    their host rows (four). The new layout's index arithmetic runs in numpy, which the
+    profiler does not count. With ``lr`` 0 every boundary chooses the columns it has. Before:
+    every weight moved rows (empty ones where nothing changed), and the close after a select
+    boundary moved host rows within each block, eight more empty operations per weight."""
+    select_few, close_few, changed_few = reselection_ops(4, lr)
+    select_many, close_many, changed_many = reselection_ops(10, lr)
+    extra_changed = changed_many - changed_few
+    assert (extra_changed > 0) == (lr > 0)
+    per_weight = {
+        "aten::linalg_vector_norm": 2,
+        "aten::square_": 2,
+        "aten::cat": 1,
+        "aten::empty_like": 1,
+        "aten::index_put_": 1,
+        "aten::sort": 2,
+        "aten::sub": 1,
+        "aten::index_copy_": 2,
     }
+    per_changed_weight = {"aten::cat": 1, "aten::index_select": 9, "aten::index_copy_": 5}
+    expected_select = collections.Counter({op: 6 * n for op, n in per_weight.items()})
+    expected_select.update({op: extra_changed * n for op, n in per_changed_weight.items()})
+    expected_close = {"aten::index_copy_": 6 * 2 + extra_changed * 4}
+    assert _extra(select_few, select_many) == +expected_select
+    assert _extra(close_few, close_many) == expected_close
+
+
+def _extra(few: collections.Counter, many: collections.Counter) -> dict[str, int]:
+    return {op: many[op] - few[op] for op in many | few if many[op] != few[op]}
 
 
 class TensorsMade(TorchDispatchMode):

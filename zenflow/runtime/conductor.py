@@ -436,11 +436,13 @@ class Conductor:
     def _reselect_later(
         self, weights: list[OwnedWeight], queued: list[QueuedReselection], sent: list
     ) -> None:
-        """The selections ``_enter_on_device`` chose take effect; the host rows move once the
-        CPU update submitted meanwhile is done with them."""
+        """The selections ``_enter_on_device`` chose take effect, and the entering columns'
+        new values are written (where a weight's selection changed: the step wrote the rest);
+        the host rows move once the CPU update submitted meanwhile is done with them."""
         self._take_reselections(weights, queued, sent)
-        for w in weights:
-            self.counters["h2d_bytes"] += w.write_selected()
+        for w, reselection in zip(weights, queued, strict=True):
+            if reselection.migration.rows_to_device:
+                self.counters["h2d_bytes"] += w.write_selected()
 
     @_traced("zenflow::device_update")
     def _device_commit(self, weights, vectors, owned_coefficient: float, coefficient: float):

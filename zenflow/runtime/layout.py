@@ -112,11 +112,13 @@ class ColumnLayout:
     def on(self, device: torch.device, name: str) -> torch.Tensor:
         """``order()`` ("order"), ``device_columns`` ("selected") or every rank's unselected
         columns in row order ("unselected") on ``device``, made once per layout and device."""
-        cached = self._on_device.setdefault(torch.device(device), {})
+        device = torch.device(device)
+        cached = self._on_device.setdefault(device, {})
         if name not in cached:
-            order = self.order()
-            parts = {"order": order, "selected": order[: self.k], "unselected": order[self.k :]}
-            cached[name] = sent_to(parts[name], device)
+            # One crossing for the three: the selected and unselected columns are views of
+            # the order on the device.
+            order = sent_to(self.order(), device)
+            cached |= {"order": order, "selected": order[: self.k], "unselected": order[self.k :]}
         return cached[name]
 
     def ascending_on(
@@ -165,6 +167,10 @@ class ColumnLayout:
         leaving_mine = leaving[mine]
         owned = (entering >= self.lo) & (entering < self.hi)
 
+        if entering.size == 0 and leaving.size == 0:
+            # The same columns chosen again: this layout stays, and with it the index tensors
+            # it has already made on each device.
+            return _unchanged(self)
         if entering.size == leaving.size:
             entering_device_rows = device_row[leaving]
             device_columns = device_columns_was.copy()
@@ -227,6 +233,22 @@ class Migration:
     @property
     def rows_to_device(self) -> int:
         return self.entering.numel()
+
+
+def _unchanged(layout: ColumnLayout) -> Migration:
+    """The moves from ``layout`` to itself: none."""
+    none = torch.empty(0, dtype=torch.int64)
+    return Migration(
+        layout=layout,
+        entering=none,
+        entering_owned=torch.empty(0, dtype=torch.bool),
+        entering_host_rows=none,
+        entering_device_rows=none,
+        leaving_device_rows=none,
+        leaving_host_rows=none,
+        host_moves=(none, none),
+        device_kept=None,
+    )
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:

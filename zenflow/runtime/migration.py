@@ -97,6 +97,8 @@ class EnteringRows:
 
     def _gather(self, i: int, out: torch.Tensor) -> None:
         migration, host, positions, _ = self._queued[i]
+        if out.numel() == 0:
+            return
         if self.comm.world_size == 1:
             torch.index_select(host, 0, positions, out=out)
         else:
@@ -171,8 +173,10 @@ def move_host_rows(
     ``leaving``, sent) in their new host rows, once landed."""
     sources, destinations = migration.host_moves
     for host, place in zip(hosts, places, strict=True):
-        _put(host, destinations, _take(host, sources))
-        _put(host, migration.leaving_host_rows, leaving.landed(place, sync))
+        if sources.numel():
+            _put(host, destinations, _take(host, sources))
+        if migration.leaving_host_rows.numel():
+            _put(host, migration.leaving_host_rows, leaving.landed(place, sync))
 
 
 def place_device_rows(migration: Migration, device: torch.Tensor, entering: torch.Tensor):
@@ -189,14 +193,22 @@ def place_device_rows(migration: Migration, device: torch.Tensor, entering: torc
 
 
 # Row gathers and scatters as index_select / index_copy_: whole rows copied at once, several
-# times faster on CPU than advanced indexing, which goes element by element.
+# times faster on CPU than advanced indexing, which goes element by element. An empty index
+# dispatches nothing: most weights' columns stay where they are at a reselection (the host
+# rows move only where a block's number of selected columns changes), and each empty gather or
+# scatter would still be a trip through the dispatcher, several per weight, on the host's time
+# while a GPU waits.
 
 
 def _take(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    if index.numel() == 0:
+        return tensor.new_empty((0, *tensor.shape[1:]))
     return tensor.index_select(0, sent_to(index, tensor.device))
 
 
 def _put(tensor: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    if index.numel() == 0:
+        return
     if rows.device != tensor.device:
         rows = rows.to(tensor.device)
     tensor.index_copy_(0, sent_to(index, tensor.device), rows)
