@@ -31,6 +31,9 @@ host<->device per step (zenflow: from stats(); DeepSpeed: analytic estimate, mar
 loss over the last select cycle; ratios = zenflow's median (mean) step time / the row's. "best
 block" is the lowest of a row's per-block medians (one block = one select cycle): on a shared
 machine, where another job can land on some blocks and not others, its ratio is the steadier one.
+The zenflow row's steps are then shown by their position in the select cycle (medians of the
+whole step and of ``step()``): with this schedule, position 3 closes a window and position 7 is
+the select boundary (which also closes one).
 With --ranges, each zenflow row then runs one more select cycle under torch.profiler and prints
 its host time per step in each ``zenflow::`` range (write_selected and write_unselected are the
 write-backs into the row-major parameters).
@@ -502,10 +505,28 @@ def _regime(args, name: str, rows: int, peers: list[str], log_dir: str, port: in
             f"optimizer_wait_s {c.get('optimizer_wait_s', 0):.3f}"
         )
     for p in running:
+        if p.peer == "zenflow" and not p.error and p.times:
+            print(f"{p.peer} {_by_cycle_position(p)}")
+    for p in running:
         if p.ranges:
             ranges = ", ".join(f"{k} {v:.2f}" for k, v in sorted(p.ranges.items()))
             print(f"{p.peer} host ms per step by profiler range ({CYCLE} profiled steps): {ranges}")
     print(f"({len(running)} processes, setup {setup:.0f}s, {args.steps} timed steps each)")
+
+
+def _by_cycle_position(p: "_Peer") -> str:
+    """Median whole step and ``step()`` at each position of the select cycle (the warm-up and
+    every block are whole cycles, so step i of the timed ones is at position i % CYCLE): where
+    a row's mean departs from its median."""
+    cells = []
+    for position in range(CYCLE):
+        totals = p.times[position::CYCLE]
+        in_step = p.step_times[position::CYCLE]
+        cells.append(
+            f"{position}: {1000 * statistics.median(totals):.1f}/"
+            f"{1000 * statistics.median(in_step):.1f}"
+        )
+    return "ms by position in the select cycle (median step/step()): " + ", ".join(cells)
 
 
 def main() -> None:

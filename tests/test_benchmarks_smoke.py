@@ -17,6 +17,8 @@ def test_bench_step_quick():
     out = _run("bench_step.py")
     assert "median step" in out and "zenflow / row" in out
     assert "\nzenflow " in out
+    (positions,) = [line for line in out.splitlines() if "position in the select cycle" in line]
+    assert positions.startswith("zenflow ms by position") and " 7: " in positions
 
 
 def test_bench_accuracy_quick(tmp_path):
