@@ -504,9 +504,8 @@ def _regime(args, name: str, rows: int, peers: list[str], log_dir: str, port: in
             f"cpu_accumulate_s {c.get('cpu_accumulate_s', 0):.3f}, "
             f"optimizer_wait_s {c.get('optimizer_wait_s', 0):.3f}"
         )
-    for p in running:
-        if p.peer == "zenflow" and not p.error and p.times:
-            print(f"{p.peer} {_by_cycle_position(p)}")
+    if ours_ok:
+        print(f"zenflow {_by_cycle_position(ours)}")
     for p in running:
         if p.ranges:
             ranges = ", ".join(f"{k} {v:.2f}" for k, v in sorted(p.ranges.items()))
