@@ -131,17 +131,16 @@ void scatter_block(T* matrix, int64_t matrix_stride, const int64_t* columns, con
 }
 #endif
 
-// Scatter: rows [r_begin, r_end) of the row-major matrix take their elements of the buffer's
-// rows, tile by tile, with the columns in ascending order (buffer row by_column[j] holds column
-// columns[j]) so that each matrix row is written front to back. Reading a tile's source lines
+// Scatter: rows [r_begin, r_end) of the row-major matrix take their elements of the source
+// rows, tile by tile, with the columns in ascending order (column columns[j] is read from
+// sources[j]) so that each matrix row is written front to back. Reading a tile's source lines
 // waits on memory (one line per buffer row, rows far apart): the next tile's are prefetched. A
 // few columns (a selection) go in tiles of every column and a line's worth of matrix rows: each
 // matrix row is then written in one pass, as a stream, with the source lines held in L1. Many
 // columns go through transposes in registers, K x K elements at a time.
 template <typename T>
 void scatter_tiles(T* matrix, int64_t matrix_stride, const int64_t* columns,
-                   const int64_t* by_column, int64_t n, const T* rows, int64_t rows_stride,
-                   int64_t r_begin, int64_t r_end) {
+                   const T* const* sources, int64_t n, int64_t r_begin, int64_t r_end) {
   const bool few = n <= kFewColumns;
   const int64_t r_tile = few ? kLineElements<T> : kTile;
   const int64_t j_tile = few ? n : kTile;
@@ -151,7 +150,7 @@ void scatter_tiles(T* matrix, int64_t matrix_stride, const int64_t* columns,
       const int64_t j1 = std::min(n, j0 + j_tile);
       if (r1 < r_end) {
         for (int64_t j = j0; j < j1; ++j) {
-          const T* next = rows + by_column[j] * rows_stride + r1;
+          const T* next = sources[j] + r1;
           for (int64_t e = 0; e < r_tile; e += kLineElements<T>) __builtin_prefetch(next + e);
         }
       }
@@ -163,10 +162,8 @@ void scatter_tiles(T* matrix, int64_t matrix_stride, const int64_t* columns,
         r_done = r0 + (r1 - r0) / K * K;
         j_done = j0 + (j1 - j0) / K * K;
         for (int64_t j = j0; j < j_done; j += K) {
-          const T* from[K];
-          for (int64_t w = 0; w < K; ++w) from[w] = rows + by_column[j + w] * rows_stride;
           for (int64_t r = r0; r < r_done; r += K) {
-            scatter_block(matrix, matrix_stride, columns + j, from, r);
+            scatter_block(matrix, matrix_stride, columns + j, sources + j, r);
           }
         }
       }
@@ -175,7 +172,7 @@ void scatter_tiles(T* matrix, int64_t matrix_stride, const int64_t* columns,
         T* line = matrix + r * matrix_stride;
         const int64_t j_from = r < r_done ? j_done : j0;
         for (int64_t j = j_from; j < j1; ++j) {
-          line[columns[j]] = rows[by_column[j] * rows_stride + r];
+          line[columns[j]] = sources[j][r];
         }
       }
     }
@@ -225,18 +222,30 @@ void gather(const void* matrix, int64_t rows, int64_t matrix_stride, const int64
   });
 }
 
+// Every column the sets name, ascending, each with the source row it is written from (the last
+// set that names a column gives its row), then the tiles over row chunks.
 template <typename T>
-void scatter(void* matrix, int64_t rows, int64_t matrix_stride, const int64_t* idx, int64_t n,
-             const void* buffer, int64_t rows_stride) {
-  auto by_column = std::make_shared<std::vector<int64_t>>(n);
-  for (int64_t j = 0; j < n; ++j) (*by_column)[j] = j;
-  std::sort(by_column->begin(), by_column->end(),
-            [idx](int64_t a, int64_t b) { return idx[a] < idx[b]; });
-  auto columns = std::make_shared<std::vector<int64_t>>(n);
-  for (int64_t j = 0; j < n; ++j) (*columns)[j] = idx[(*by_column)[j]];
+void scatter(void* matrix, int64_t rows, int64_t cols, int64_t matrix_stride, int64_t sets,
+             const int64_t* const* idx, const int64_t* n, const void* const* src,
+             const int64_t* src_stride) {
+  std::vector<const T*> source_of(cols, nullptr);
+  for (int64_t s = 0; s < sets; ++s) {
+    const T* first = static_cast<const T*>(src[s]);
+    for (int64_t i = 0; i < n[s]; ++i) source_of[idx[s][i]] = first + i * src_stride[s];
+  }
+  auto columns = std::make_shared<std::vector<int64_t>>();
+  auto sources = std::make_shared<std::vector<const T*>>();
+  for (int64_t c = 0; c < cols; ++c) {
+    if (source_of[c] != nullptr) {
+      columns->push_back(c);
+      sources->push_back(source_of[c]);
+    }
+  }
+  const int64_t written = static_cast<int64_t>(columns->size());
+  if (written == 0) return;
   over_row_chunks(rows, kChunkRows, [=](int64_t begin, int64_t end) {
-    scatter_tiles(static_cast<T*>(matrix), matrix_stride, columns->data(), by_column->data(), n,
-                  static_cast<const T*>(buffer), rows_stride, begin, end);
+    scatter_tiles(static_cast<T*>(matrix), matrix_stride, columns->data(), sources->data(),
+                  written, begin, end);
   });
 }
 
@@ -259,18 +268,24 @@ ZF_API int zf_gather_columns(const void* src, int64_t rows, int64_t cols, int64_
   return 0;
 }
 
-// The inverse: dst is the row-major matrix (`rows` rows of `cols` elements, stride dst_stride),
-// src holds n rows of `rows` elements (stride src_stride); column idx[i] of dst becomes row i of
-// src. Indices must be distinct. Returns as zf_gather_columns does.
-ZF_API int zf_scatter_columns(void* dst, int64_t rows, int64_t cols, int64_t dst_stride,
-                              const int64_t* idx, int64_t n, const void* src, int64_t src_stride,
-                              int elem_size) {
-  if (check(rows, cols, dst_stride, idx, n, src_stride, elem_size)) return 1;
-  if (rows == 0 || n == 0) return 0;
+// The inverse, for several sets of rows at once: dst is the row-major matrix (`rows` rows of
+// `cols` elements, stride dst_stride); set s holds n[s] rows of `rows` elements (src[s], stride
+// src_stride[s]), and column idx[s][i] of dst becomes its row i. A column that several sets (or
+// one set twice) name takes the last one's row. Each column is written once, in one pass over
+// dst. Returns as zf_gather_columns does.
+ZF_API int zf_scatter_column_sets(void* dst, int64_t rows, int64_t cols, int64_t dst_stride,
+                                  int64_t sets, const int64_t* const* idx, const int64_t* n,
+                                  const void* const* src, const int64_t* src_stride,
+                                  int elem_size) {
+  if (sets < 0) return 1;
+  for (int64_t s = 0; s < sets; ++s) {
+    if (check(rows, cols, dst_stride, idx[s], n[s], src_stride[s], elem_size)) return 1;
+  }
+  if (rows == 0) return 0;
   if (elem_size == 4) {
-    scatter<uint32_t>(dst, rows, dst_stride, idx, n, src, src_stride);
+    scatter<uint32_t>(dst, rows, cols, dst_stride, sets, idx, n, src, src_stride);
   } else {
-    scatter<uint16_t>(dst, rows, dst_stride, idx, n, src, src_stride);
+    scatter<uint16_t>(dst, rows, cols, dst_stride, sets, idx, n, src, src_stride);
   }
   return 0;
 }

@@ -137,7 +137,7 @@ std::string check_accumulation(const TensorWork& t) {
 
 }  // namespace
 
-ZF_API int zf_abi_version() { return 8; }
+ZF_API int zf_abi_version() { return 9; }
 
 ZF_API void zf_record_sizes(int64_t* tensor_work, int64_t* hyper) {
   *tensor_work = sizeof(TensorWork);

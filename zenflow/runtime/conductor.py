@@ -310,7 +310,7 @@ class Conductor:
         if kind.select:
             self._reselect(weights)
             self.counters["reselections"] += 1
-        self._device_commit(weights, vectors, owned_coefficient, coefficient)
+        unwritten = self._device_commit(weights, vectors, owned_coefficient, coefficient)
         auto_fired = False
         if kind.warm_up:
             self._full_host_update(weights, owned_coefficient)
@@ -333,10 +333,15 @@ class Conductor:
             self.counters["d2h_bytes"] += w.staging.staged_bytes
             w.discard_gradient()
         self.committed_steps += 1
-        if not kind.warm_up:
-            self.window_steps += 1
-            if schedule.closes_window(kind, auto_fired):
-                self.close_window(kind.select_boundary, reselecting=reselecting)
+        try:
+            if not kind.warm_up:
+                self.window_steps += 1
+                if schedule.closes_window(kind, auto_fired):
+                    self.close_window(
+                        kind.select_boundary, reselecting=reselecting, selected=unwritten
+                    )
+        finally:  # a failed CPU update leaves the device update's values written all the same
+            self._write_selected(unwritten)
 
     def _hyper(self, group_index: int) -> dict:
         group = self.param_groups[group_index]
@@ -445,10 +450,16 @@ class Conductor:
                 self.counters["h2d_bytes"] += w.write_selected()
 
     @_traced("zenflow::device_update")
-    def _device_commit(self, weights, vectors, owned_coefficient: float, coefficient: float):
+    def _device_commit(
+        self, weights, vectors, owned_coefficient: float, coefficient: float
+    ) -> dict[OwnedWeight, torch.Tensor | None]:
         """The selected rows and the 1-D parameters: one AdamW call per param group, device
         and gradient coefficient (with ``offload`` the selected rows are updated on the
-        host)."""
+        host, and written at once). Returns the other weights whose new selected values are
+        not yet written, each with its ``selected_copy()`` (or None): a window's write-back
+        in this step writes them in its pass over the parameter (``close_window``),
+        ``_write_selected`` the rest."""
+        unwritten = {}
         calls = {}
         for w in weights:
             if w.layout.k > 0:
@@ -479,9 +490,21 @@ class Conductor:
                 copies + [v.param.data.view(1, -1) for v in vecs],
                 self._buffers_of(group_index, device, role),
             )
-            with torch.profiler.record_function("zenflow::write_selected"):
-                for w, copied in zip(rows, copies, strict=True):
-                    self.counters["h2d_bytes"] += w.write_selected(copied)
+            for w, copied in zip(rows, copies, strict=True):
+                if w.offload:
+                    with torch.profiler.record_function("zenflow::write_selected"):
+                        self.counters["h2d_bytes"] += w.write_selected(copied)
+                else:
+                    unwritten[w] = copied
+        return unwritten
+
+    def _write_selected(self, unwritten: dict[OwnedWeight, torch.Tensor | None]) -> None:
+        """Write the selected values of the weights in ``unwritten`` (what ``_device_commit``
+        left), emptying it."""
+        with torch.profiler.record_function("zenflow::write_selected"):
+            for w, copied in unwritten.items():
+                self.counters["h2d_bytes"] += w.write_selected(copied)
+        unwritten.clear()
 
     def _buffers_of(self, group_index: int, device: torch.device, role: str) -> StepBuffers:
         """Kept per role as well: a step whose owned weights' coefficient differs from the
@@ -612,14 +635,18 @@ class Conductor:
         select_boundary: bool,
         force_sync: bool = False,
         reselecting: list[OwnedWeight] = (),
+        selected: dict[OwnedWeight, torch.Tensor | None] | None = None,
     ) -> None:
         """The CPU update of the unselected columns from the window's mean gradient; then
         ``reselecting`` (at a select boundary: the weights this step's gradient reached) take
         their next selection. Synchronously, the CPU update covers every unselected column and
         the state of the columns that change side moves after it. With ``overlap_step``, the
         entering columns take the update on the device (``_enter_on_device``) and the CPU
-        update, over the old layout's rows, lands at the next boundary."""
+        update, over the old layout's rows, lands at the next boundary. ``selected``: the
+        weights whose selected values the step has not yet written (``_device_commit``):
+        written in the pass of a weight's write-back, or before the reselection."""
         weights = [w for w in self.weights if w.window.open]
+        selected = {} if selected is None else selected
         background = self.settings.overlap_step and not force_sync
         self.jobs.phase = (
             "select_boundary" if select_boundary else "flush" if force_sync else "window_close"
@@ -628,7 +655,7 @@ class Conductor:
             self.jobs.finish_sums()
         # A synchronous update writes its weights' columns to the parameters right after the
         # pending one would have: the pending result is not written for those.
-        self.updates.apply_pending(rewritten=() if background else weights)
+        self.updates.apply_pending(rewritten=() if background else weights, selected=selected)
         # The weights whose CPU update is submitted now select on the device before it; the
         # others (no open window) have no update running over their host rows.
         later = [w for w in reselecting if w in weights] if background else []
@@ -642,9 +669,10 @@ class Conductor:
                 hyper["lr"] *= schedule.lr_scale(self.schedule, self.window_steps)
                 update = self.updates.submit(group_weights, hyper, self.window_steps, background)
                 if not background:  # this call waits for the job it submitted
-                    self.updates.apply(update)
+                    self.updates.apply(update, selected=selected)
                     self.counters["blocking_updates"] += 1
         self.counters["cpu_updates"] += 1 if weights else 0
+        self._write_selected(selected)  # the reselection replaces the values' sources
         if reselecting:
             self._reselect_later(later, *entered)
             self._reselect([w for w in reselecting if w not in later])

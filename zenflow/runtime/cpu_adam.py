@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 BUILD_HINT = "run `pip install -e .` (or `make install`) in the zenflow checkout to build csrc/"
-_ABI_VERSION = 8
+_ABI_VERSION = 9
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512"}
 DEFAULT_PT_RESERVED_CORES_PERC = 0.5  # ZenFlow's config default
@@ -180,8 +180,19 @@ def _load():
             c_int,
         ]
         lib.zf_gather_columns.restype = c_int
-        lib.zf_scatter_columns.argtypes = lib.zf_gather_columns.argtypes
-        lib.zf_scatter_columns.restype = c_int
+        lib.zf_scatter_column_sets.argtypes = [
+            c_void_p,
+            c_i64,
+            c_i64,
+            c_i64,
+            c_i64,
+            c_void_p,
+            c_void_p,
+            c_void_p,
+            c_void_p,
+            c_int,
+        ]
+        lib.zf_scatter_column_sets.restype = c_int
         lib.zf_set_num_threads(threads_from_reserved_cores(DEFAULT_PT_RESERVED_CORES_PERC))
         _lib = lib
         return lib

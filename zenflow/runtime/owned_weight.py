@@ -21,7 +21,7 @@ from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.layout import ColumnLayout, Migration
 from zenflow.runtime.migration import EnteringRows, LeavingRows
-from zenflow.runtime.param_writes import write_columns
+from zenflow.runtime.param_writes import ColumnValues, write_columns
 from zenflow.runtime.staged_gradient import StagedGradient
 from zenflow.runtime.staging import staging_for
 from zenflow.runtime.streams import PendingCopy, copy_stream
@@ -229,18 +229,27 @@ class OwnedWeight:
             self._selected_copy = self.param.new_empty(shape)
         return self._selected_copy
 
-    def write_selected(self, copied: torch.Tensor | None = None) -> int:
-        """Write the selected columns' new values into the parameter (``copied``: the device
-        update's ``selected_copy()`` of them, where it made one); returns the bytes that
-        crossed to the device: with ``offload`` the values are sent from the host (counted
-        even where the device is the CPU, like every count), else none."""
+    def selected_values(self, copied: torch.Tensor | None = None) -> ColumnValues:
+        """The selected columns' new values where the device update left them (``copied``: its
+        ``selected_copy()`` of them, where it made one; not with ``offload``, whose values are
+        on the host), for ``write_selected`` or for a write-back that takes them in its pass
+        (``write_rows``). Valid until the next update or reselection."""
+        assert not self.offload, "offloaded values are sent from the host: write_selected()"
         columns = self.layout.on(self.param.device, "selected")
+        values = self.state.device_master.to(self.param.dtype) if copied is None else copied
+        return ColumnValues(columns, values)
+
+    def write_selected(self, copied: torch.Tensor | None = None) -> int:
+        """Write the selected columns' new values into the parameter (``copied``: as for
+        ``selected_values``); returns the bytes that crossed to the device: with ``offload``
+        the values are sent from the host (counted even where the device is the CPU, like
+        every count), else none."""
         if not self.offload:
-            values = self.state.device_master.to(self.param.dtype) if copied is None else copied
-            write_columns(self.param, columns, values)
+            write_columns(self.param, self.selected_values(copied))
             return 0
+        columns = self.layout.on(self.param.device, "selected")
         values = self._to_device(self.state.device_master, "selected")
-        write_columns(self.param, columns, values)
+        write_columns(self.param, ColumnValues(columns, values))
         return values.numel() * values.element_size()
 
     def copy_dtype(self) -> torch.dtype | None:
@@ -261,18 +270,21 @@ class OwnedWeight:
         columns: torch.Tensor,
         counts: list[int],
         ascending: tuple[torch.Tensor, torch.Tensor] | None = None,
+        selected: ColumnValues | None = None,
     ) -> int:
         """Write every rank's updated rows into the parameter's ``columns`` (on its device, in
         the order of the ranks' rows, ``counts[r]`` rows from rank ``r``; ``ascending``: their
-        ``sort()``, where the caller keeps it); ``mine``: this rank's rows, either a CPU
-        update's copy of them in the parameter's dtype (``copied``), already sent to the
+        ``sort()``, where the caller keeps it), and then, in the same pass, the ``selected``
+        columns' values (``selected_values()``) where given; ``mine``: this rank's rows, either
+        a CPU update's copy of them in the parameter's dtype (``copied``), already sent to the
         device, or fp32 host master rows, sent and converted here. Returns the bytes this rank
         sent to its device."""
         # Each rank sends its own rows to its device and the ranks gather them there (over
         # NVLink, with NCCL), rather than gathering on the host and each sending them all.
         on_device = mine if copied else self._to_device(mine, "unselected")
         rows = self.comm.all_gather_rows(on_device, counts)
-        write_columns(self.param, columns, rows, ascending)
+        unselected = ColumnValues(columns, rows, ascending)
+        write_columns(self.param, unselected, *(() if selected is None else (selected,)))
         return on_device.numel() * on_device.element_size()
 
     def _to_device(self, rows: torch.Tensor, purpose: str) -> torch.Tensor:

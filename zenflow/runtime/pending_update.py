@@ -6,7 +6,8 @@ dtype for all the update's weights, sent to the device in one copy each when the
 applied); the entry keeps its rows with the columns they belong to (every rank's, in row order)
 and how many rows each rank has, fixed when the update was submitted; if columns entered the
 selection since (the update was submitted at a select boundary), they are written again from
-their device state after it. An fp32 parameter on the CPU is written from the host master rows
+their device state after it (in the same pass where the step hands its selected columns' values
+to the write). An fp32 parameter on the CPU is written from the host master rows
 the job updates, read where they are when the entry is written: after a select boundary, the
 host rows move once the job is done (``ColumnState.settle``), and the columns that left the
 selection then hold, in their host rows, the values their parameter columns already have.
@@ -20,6 +21,7 @@ import torch
 from zenflow.runtime import cpu_adam
 from zenflow.runtime.layout import ColumnLayout
 from zenflow.runtime.owned_weight import OwnedWeight
+from zenflow.runtime.param_writes import ColumnValues
 from zenflow.runtime.side_by_side import elements, indices_by, views
 from zenflow.runtime.staging.contributions import HostRows
 from zenflow.runtime.streams import copy_stream
@@ -52,10 +54,13 @@ class UpdateEntry:
         if self.last is not None and self.last.release is not None:
             self.last.release()
 
-    def write(self, copied_on_device: torch.Tensor | None = None) -> int:
+    def write(
+        self, copied_on_device: torch.Tensor | None = None, selected: ColumnValues | None = None
+    ) -> int:
         """Write the rows into the parameter (the job is done): the job's copy, sent to the
-        device (``copied_on_device``), or the host master rows. Returns the bytes sent to the
-        device."""
+        device (``copied_on_device``), or the host master rows; ``selected``: the weight's
+        selected columns' values (``OwnedWeight.selected_values()``), written in the same
+        pass, after the rows. Returns the bytes sent to the device."""
         w = self.weight
         w.state.settle()
         device = w.param.device
@@ -63,13 +68,13 @@ class UpdateEntry:
             layout = w.layout
             rows = w.state.host_master[layout.k_local :]
             columns = layout.on(device, "unselected")
-            return w.write_rows(rows, False, columns, layout.unselected_counts)
+            return w.write_rows(rows, False, columns, layout.unselected_counts, None, selected)
         layout = self.layout
         columns = layout.on(device, "unselected")
         ascending = layout.ascending_on(device, "unselected")
         counts = layout.unselected_counts
-        sent = w.write_rows(copied_on_device, True, columns, counts, ascending)
-        if w.layout is not self.layout:
+        sent = w.write_rows(copied_on_device, True, columns, counts, ascending, selected)
+        if w.layout is not self.layout and selected is None:
             sent += w.write_selected()
         return sent
 

@@ -121,9 +121,12 @@ class WindowUpdates:
             pending.wait(self.sync)
         return submit()
 
-    def apply(self, update: PendingUpdate, rewritten=()) -> None:
+    def apply(self, update: PendingUpdate, rewritten=(), selected=None) -> None:
         """Wait for ``update`` and write its result to the parameters, except for the weights
-        in ``rewritten`` (a synchronous update is about to write them again)."""
+        in ``rewritten`` (a synchronous update is about to write them again). ``selected``:
+        the weights whose selected columns the step has not yet written, each with its
+        ``selected_copy()`` (or None); a weight's are written in the pass of its result, and
+        it is taken out of ``selected``."""
         with torch.profiler.record_function("zenflow::write_back"):
             if update.handle is not None:
                 self.jobs.collect(update.handle, "cpu_adam_s")
@@ -138,11 +141,14 @@ class WindowUpdates:
                     if id(entry.weight) in skipped:
                         entry.weight.state.settle()
                     else:
-                        self.counters["h2d_bytes"] += entry.write(copied)
+                        values = None
+                        if selected is not None and entry.weight in selected:
+                            values = entry.weight.selected_values(selected.pop(entry.weight))
+                        self.counters["h2d_bytes"] += entry.write(copied, values)
 
-    def apply_pending(self, rewritten=()) -> None:
+    def apply_pending(self, rewritten=(), selected=None) -> None:
         for update in self.pending:
-            self.apply(update, rewritten)
+            self.apply(update, rewritten, selected)
         self.pending = []
 
     def wait(self) -> None:
