@@ -194,9 +194,9 @@ def test_an_fp32_models_updated_columns_cross_from_the_cpu_updates_own_copy(cuda
     write_rows = OwnedWeight.write_rows
     copy_to_device = CopyStream.copy_to_device
 
-    def recording_write_rows(self, mine, copied, columns, counts, ascending=None, selected=None):
+    def recording_write_rows(self, mine, copied, columns, counts, ascending=None, also=()):
         written.append((copied, mine.device.type, mine.dtype))
-        return write_rows(self, mine, copied, columns, counts, ascending, selected)
+        return write_rows(self, mine, copied, columns, counts, ascending, also)
 
     def recording_copy_to_device(self, source):
         sent.append((source.is_pinned(), source.numel()))
@@ -327,24 +327,16 @@ def test_overlapped_result_is_not_overwritten_while_its_copy_is_in_flight(cuda_f
     opt = ZenFlowAdamW(
         model.parameters(), step_backend="eager", accumulate_on_device=device_sums, **hyper
     )
-    write_selected = OwnedWeight.write_selected
-    write_rows = OwnedWeight.write_rows
+    selected_values = OwnedWeight.selected_values
 
-    def slow_write_selected(self, copied=None):
-        written = write_selected(self, copied)
+    def slow_selected_values(self, copied=None):
+        # Taken right after the device update, in every step.
         torch.cuda._sleep(20_000_000)  # ~10 ms or more of device time after the update
-        return written
-
-    def busy_write_rows(self, *args, **kwargs):
-        # A closing step writes its selected columns in the write-back's pass: the spin that
-        # follows the update elsewhere comes first here.
-        torch.cuda._sleep(20_000_000)
-        return write_rows(self, *args, **kwargs)
+        return selected_values(self, copied)
 
     compiled = torch.compile(model, backend="zenflow", options={"inner": "eager"})
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(OwnedWeight, "write_selected", slow_write_selected)
-        patch.setattr(OwnedWeight, "write_rows", busy_write_rows)
+        patch.setattr(OwnedWeight, "selected_values", slow_selected_values)
         train(compiled, opt, on(cuda_fp32, batches("mlp", 16)))
     opt.flush()
     oracle_model, _ = reference_run(cuda_fp32, steps=16, flush=True, **settings)

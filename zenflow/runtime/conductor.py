@@ -26,6 +26,7 @@ from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.migration import EnteringRows, LeavingRows
 from zenflow.runtime.nonfinite import clip_coefficient
 from zenflow.runtime.owned_weight import OwnedWeight, QueuedReselection
+from zenflow.runtime.param_writes import ColumnValues, write_columns
 from zenflow.runtime.pending_update import CopyBuffers, UpdateEntry
 from zenflow.runtime.selective_step import (
     StepBuffers,
@@ -338,10 +339,10 @@ class Conductor:
                 self.window_steps += 1
                 if schedule.closes_window(kind, auto_fired):
                     self.close_window(
-                        kind.select_boundary, reselecting=reselecting, selected=unwritten
+                        kind.select_boundary, reselecting=reselecting, unwritten=unwritten
                     )
         finally:  # a failed CPU update leaves the device update's values written all the same
-            self._write_selected(unwritten)
+            self._write_unwritten(unwritten)
 
     def _hyper(self, group_index: int) -> dict:
         group = self.param_groups[group_index]
@@ -439,26 +440,31 @@ class Conductor:
         return queued, sent
 
     def _reselect_later(
-        self, weights: list[OwnedWeight], queued: list[QueuedReselection], sent: list
+        self,
+        weights: list[OwnedWeight],
+        queued: list[QueuedReselection],
+        sent: list,
+        entering_written: set[OwnedWeight],
     ) -> None:
         """The selections ``_enter_on_device`` chose take effect, and the entering columns'
-        new values are written (where a weight's selection changed: the step wrote the rest);
-        the host rows move once the CPU update submitted meanwhile is done with them."""
+        new values are written where they are not yet (``entering_written``; where a weight's
+        selection changed: the step wrote the rest); the host rows move once the CPU update
+        submitted meanwhile is done with them."""
         self._take_reselections(weights, queued, sent)
         for w, reselection in zip(weights, queued, strict=True):
-            if reselection.migration.rows_to_device:
+            if reselection.migration.rows_to_device and w not in entering_written:
                 self.counters["h2d_bytes"] += w.write_selected()
 
     @_traced("zenflow::device_update")
     def _device_commit(
         self, weights, vectors, owned_coefficient: float, coefficient: float
-    ) -> dict[OwnedWeight, torch.Tensor | None]:
+    ) -> dict[OwnedWeight, list[ColumnValues]]:
         """The selected rows and the 1-D parameters: one AdamW call per param group, device
         and gradient coefficient (with ``offload`` the selected rows are updated on the
-        host, and written at once). Returns the other weights whose new selected values are
-        not yet written, each with its ``selected_copy()`` (or None): a window's write-back
-        in this step writes them in its pass over the parameter (``close_window``),
-        ``_write_selected`` the rest."""
+        host, and written at once). Returns the other weights' new selected values, not yet
+        written: a window's write-back in this step writes them in its pass over the parameter
+        (``close_window``, which may add the entering columns' values of a reselection),
+        ``_write_unwritten`` the rest."""
         unwritten = {}
         calls = {}
         for w in weights:
@@ -495,15 +501,15 @@ class Conductor:
                     with torch.profiler.record_function("zenflow::write_selected"):
                         self.counters["h2d_bytes"] += w.write_selected(copied)
                 else:
-                    unwritten[w] = copied
+                    unwritten[w] = [w.selected_values(copied)]
         return unwritten
 
-    def _write_selected(self, unwritten: dict[OwnedWeight, torch.Tensor | None]) -> None:
-        """Write the selected values of the weights in ``unwritten`` (what ``_device_commit``
-        left), emptying it."""
+    def _write_unwritten(self, unwritten: dict[OwnedWeight, list[ColumnValues]]) -> None:
+        """Write each weight's values in ``unwritten`` (what ``_device_commit`` left, and what
+        ``close_window`` added), in one pass per weight, emptying it."""
         with torch.profiler.record_function("zenflow::write_selected"):
-            for w, copied in unwritten.items():
-                self.counters["h2d_bytes"] += w.write_selected(copied)
+            for w, values in unwritten.items():
+                write_columns(w.param, *values)
         unwritten.clear()
 
     def _buffers_of(self, group_index: int, device: torch.device, role: str) -> StepBuffers:
@@ -635,46 +641,53 @@ class Conductor:
         select_boundary: bool,
         force_sync: bool = False,
         reselecting: list[OwnedWeight] = (),
-        selected: dict[OwnedWeight, torch.Tensor | None] | None = None,
+        unwritten: dict[OwnedWeight, list[ColumnValues]] | None = None,
     ) -> None:
         """The CPU update of the unselected columns from the window's mean gradient; then
         ``reselecting`` (at a select boundary: the weights this step's gradient reached) take
         their next selection. Synchronously, the CPU update covers every unselected column and
         the state of the columns that change side moves after it. With ``overlap_step``, the
         entering columns take the update on the device (``_enter_on_device``) and the CPU
-        update, over the old layout's rows, lands at the next boundary. ``selected``: the
-        weights whose selected values the step has not yet written (``_device_commit``):
-        written in the pass of a weight's write-back, or before the reselection."""
+        update, over the old layout's rows, lands at the next boundary. ``unwritten``: the
+        values the step has not yet written (``_device_commit``), with the entering columns'
+        added here: written in the pass of a weight's write-back, or before the reselection."""
         weights = [w for w in self.weights if w.window.open]
-        selected = {} if selected is None else selected
+        unwritten = {} if unwritten is None else unwritten
         background = self.settings.overlap_step and not force_sync
         self.jobs.phase = (
             "select_boundary" if select_boundary else "flush" if force_sync else "window_close"
         )
         if not background:
             self.jobs.finish_sums()
-        # A synchronous update writes its weights' columns to the parameters right after the
-        # pending one would have: the pending result is not written for those.
-        self.updates.apply_pending(rewritten=() if background else weights, selected=selected)
         # The weights whose CPU update is submitted now select on the device before it; the
         # others (no open window) have no update running over their host rows.
         later = [w for w in reselecting if w in weights] if background else []
         entered = [], []
+        entering_written = set()
         if later:
+            self.updates.wait()  # the entering columns' host rows: the pending update's result
             self.jobs.finish_sums()  # the entering columns' sums include this step's rows
             entered = self._enter_on_device(later)
+            # Written in the pass that writes the pending update's result, after it.
+            for w, reselection in zip(later, entered[0], strict=True):
+                if w in unwritten and reselection.migration.rows_to_device:
+                    unwritten[w].append(w.entering_values(reselection, entered[1]))
+                    entering_written.add(w)
+        # A synchronous update writes its weights' columns to the parameters right after the
+        # pending one would have: the pending result is not written for those.
+        self.updates.apply_pending(rewritten=() if background else weights, unwritten=unwritten)
         with contextlib.nullcontext() if background else self.jobs.every_core():
             for group_index, group_weights in self.by_group(weights):
                 hyper = self._hyper(group_index)
                 hyper["lr"] *= schedule.lr_scale(self.schedule, self.window_steps)
                 update = self.updates.submit(group_weights, hyper, self.window_steps, background)
                 if not background:  # this call waits for the job it submitted
-                    self.updates.apply(update, selected=selected)
+                    self.updates.apply(update, unwritten=unwritten)
                     self.counters["blocking_updates"] += 1
         self.counters["cpu_updates"] += 1 if weights else 0
-        self._write_selected(selected)  # the reselection replaces the values' sources
+        self._write_unwritten(unwritten)  # the reselection replaces the values' sources
         if reselecting:
-            self._reselect_later(later, *entered)
+            self._reselect_later(later, *entered, entering_written)
             self._reselect([w for w in reselecting if w not in later])
             self.counters["reselections"] += 1
         self.window_steps = 0

@@ -239,6 +239,17 @@ class OwnedWeight:
         values = self.state.device_master.to(self.param.dtype) if copied is None else copied
         return ColumnValues(columns, values)
 
+    def entering_values(
+        self, queued: "QueuedReselection", sent: list[torch.Tensor]
+    ) -> ColumnValues:
+        """The new values of the columns ``queued`` brings into the selection: their master
+        rows in what its transfer sent (``sent``), once updated there at an overlapped select
+        boundary, in the parameter's dtype; for a write before the reselection is taken (not
+        with ``offload``, whose rows are on the host)."""
+        assert not self.offload, "offloaded values are sent from the host: write_selected()"
+        master = queued.state_rows(sent)[0]
+        return ColumnValues(queued.migration.entering, master.to(self.param.dtype))
+
     def write_selected(self, copied: torch.Tensor | None = None) -> int:
         """Write the selected columns' new values into the parameter (``copied``: as for
         ``selected_values``); returns the bytes that crossed to the device: with ``offload``
@@ -270,12 +281,12 @@ class OwnedWeight:
         columns: torch.Tensor,
         counts: list[int],
         ascending: tuple[torch.Tensor, torch.Tensor] | None = None,
-        selected: ColumnValues | None = None,
+        also: tuple[ColumnValues, ...] = (),
     ) -> int:
         """Write every rank's updated rows into the parameter's ``columns`` (on its device, in
         the order of the ranks' rows, ``counts[r]`` rows from rank ``r``; ``ascending``: their
-        ``sort()``, where the caller keeps it), and then, in the same pass, the ``selected``
-        columns' values (``selected_values()``) where given; ``mine``: this rank's rows, either
+        ``sort()``, where the caller keeps it), and then, in the same pass, ``also`` (other
+        columns' values, such as ``selected_values()``, in order); ``mine``: this rank's rows, either
         a CPU update's copy of them in the parameter's dtype (``copied``), already sent to the
         device, or fp32 host master rows, sent and converted here. Returns the bytes this rank
         sent to its device."""
@@ -284,7 +295,7 @@ class OwnedWeight:
         on_device = mine if copied else self._to_device(mine, "unselected")
         rows = self.comm.all_gather_rows(on_device, counts)
         unselected = ColumnValues(columns, rows, ascending)
-        write_columns(self.param, unselected, *(() if selected is None else (selected,)))
+        write_columns(self.param, unselected, *also)
         return on_device.numel() * on_device.element_size()
 
     def _to_device(self, rows: torch.Tensor, purpose: str) -> torch.Tensor:

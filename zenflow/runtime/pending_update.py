@@ -55,12 +55,12 @@ class UpdateEntry:
             self.last.release()
 
     def write(
-        self, copied_on_device: torch.Tensor | None = None, selected: ColumnValues | None = None
+        self, copied_on_device: torch.Tensor | None = None, also: tuple[ColumnValues, ...] = ()
     ) -> int:
         """Write the rows into the parameter (the job is done): the job's copy, sent to the
-        device (``copied_on_device``), or the host master rows; ``selected``: the weight's
-        selected columns' values (``OwnedWeight.selected_values()``), written in the same
-        pass, after the rows. Returns the bytes sent to the device."""
+        device (``copied_on_device``), or the host master rows; ``also``: the step's values of
+        other columns, starting with the selected ones (``OwnedWeight.selected_values()``),
+        written in the same pass, after the rows. Returns the bytes sent to the device."""
         w = self.weight
         w.state.settle()
         device = w.param.device
@@ -68,13 +68,13 @@ class UpdateEntry:
             layout = w.layout
             rows = w.state.host_master[layout.k_local :]
             columns = layout.on(device, "unselected")
-            return w.write_rows(rows, False, columns, layout.unselected_counts, None, selected)
+            return w.write_rows(rows, False, columns, layout.unselected_counts, None, also)
         layout = self.layout
         columns = layout.on(device, "unselected")
         ascending = layout.ascending_on(device, "unselected")
         counts = layout.unselected_counts
-        sent = w.write_rows(copied_on_device, True, columns, counts, ascending, selected)
-        if w.layout is not self.layout and selected is None:
+        sent = w.write_rows(copied_on_device, True, columns, counts, ascending, also)
+        if w.layout is not self.layout and not also:
             sent += w.write_selected()
         return sent
 

@@ -121,12 +121,12 @@ class WindowUpdates:
             pending.wait(self.sync)
         return submit()
 
-    def apply(self, update: PendingUpdate, rewritten=(), selected=None) -> None:
+    def apply(self, update: PendingUpdate, rewritten=(), unwritten=None) -> None:
         """Wait for ``update`` and write its result to the parameters, except for the weights
-        in ``rewritten`` (a synchronous update is about to write them again). ``selected``:
-        the weights whose selected columns the step has not yet written, each with its
-        ``selected_copy()`` (or None); a weight's are written in the pass of its result, and
-        it is taken out of ``selected``."""
+        in ``rewritten`` (a synchronous update is about to write them again). ``unwritten``:
+        values the step has not yet written, by weight, the selected columns' first
+        (``Conductor._device_commit``); a weight's are written in the pass of its result, and
+        it is taken out of ``unwritten``."""
         with torch.profiler.record_function("zenflow::write_back"):
             if update.handle is not None:
                 self.jobs.collect(update.handle, "cpu_adam_s")
@@ -141,19 +141,18 @@ class WindowUpdates:
                     if id(entry.weight) in skipped:
                         entry.weight.state.settle()
                     else:
-                        values = None
-                        if selected is not None and entry.weight in selected:
-                            values = entry.weight.selected_values(selected.pop(entry.weight))
-                        self.counters["h2d_bytes"] += entry.write(copied, values)
+                        also = () if unwritten is None else unwritten.pop(entry.weight, ())
+                        self.counters["h2d_bytes"] += entry.write(copied, tuple(also))
 
-    def apply_pending(self, rewritten=(), selected=None) -> None:
+    def apply_pending(self, rewritten=(), unwritten=None) -> None:
         for update in self.pending:
-            self.apply(update, rewritten, selected)
+            self.apply(update, rewritten, unwritten)
         self.pending = []
 
     def wait(self) -> None:
-        """Let the pending jobs end without applying them (a state dict taken between steps);
-        the host rows they read move where their layout has them now."""
+        """Let the pending jobs end without applying them (a state dict taken between steps,
+        or host rows read before the result is written); the host rows they read move where
+        their layout has them now."""
         for update in self.pending:
             if update.handle is not None:
                 self.jobs.wait(update.handle)
