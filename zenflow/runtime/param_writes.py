@@ -43,7 +43,8 @@ def write_columns(param: torch.Tensor, *writes: ColumnValues) -> None:
     column that several name takes the last one's values. On the CPU they go in one pass over
     the parameter, each cache line of it read and written once: a window's write-back and the
     step's selected columns together write every line once, where one after the other they
-    would write most lines twice (a tenth of the columns touches four lines in five)."""
+    would write most lines twice (a tenth of the columns touches four lines in five). At an
+    overlapped select boundary the columns entering the selection ride in the same pass."""
     matrix = as_matrix(param.detach())
     for write in writes:
         if write.rows.shape != (write.columns.numel(), matrix.shape[0]):
