@@ -191,10 +191,11 @@ def test_a_select_boundary_moves_rows_only_for_the_weights_whose_columns_change(
     sum's, and the sum's offset), the leaving rows taken from the device state and the entering
     ones put in their place (four each), and the entering columns written after their update,
     in the pass of the other writes (the new layout's order waits for the next step's write);
-    at the window close after it, the leaving rows put in their host rows (four). The new layout's index arithmetic runs in numpy, which the
-    profiler does not count. With ``lr`` 0 every boundary chooses the columns it has. Before:
-    every weight moved rows (empty ones where nothing changed), and the close after a select
-    boundary moved host rows within each block, eight more empty operations per weight."""
+    at the window close after it, the leaving rows put in their host rows (four). The new
+    layout's index arithmetic runs in numpy, which the profiler does not count. With ``lr`` 0
+    every boundary chooses the columns it has. Before: every weight moved rows (empty ones
+    where nothing changed), and the close after a select boundary moved host rows within each
+    block, eight more empty operations per weight."""
     select_few, close_few, changed_few = reselection_ops(4, lr)
     select_many, close_many, changed_many = reselection_ops(10, lr)
     extra_changed = changed_many - changed_few

@@ -286,10 +286,10 @@ class OwnedWeight:
         """Write every rank's updated rows into the parameter's ``columns`` (on its device, in
         the order of the ranks' rows, ``counts[r]`` rows from rank ``r``; ``ascending``: their
         ``sort()``, where the caller keeps it), and then, in the same pass, ``also`` (other
-        columns' values, such as ``selected_values()``, in order); ``mine``: this rank's rows, either
-        a CPU update's copy of them in the parameter's dtype (``copied``), already sent to the
-        device, or fp32 host master rows, sent and converted here. Returns the bytes this rank
-        sent to its device."""
+        columns' values, such as ``selected_values()``, in order); ``mine``: this rank's rows,
+        either a CPU update's copy of them in the parameter's dtype (``copied``), already sent
+        to the device, or fp32 host master rows, sent and converted here. Returns the bytes
+        this rank sent to its device."""
         # Each rank sends its own rows to its device and the ranks gather them there (over
         # NVLink, with NCCL), rather than gathering on the host and each sending them all.
         on_device = mine if copied else self._to_device(mine, "unselected")
