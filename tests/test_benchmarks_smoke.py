@@ -84,6 +84,16 @@ def test_bench_host_ops_quick():
         assert any(line.startswith(row) for line in out.splitlines()), row
 
 
+def test_bench_write_back_quick():
+    out = _run("bench_write_back.py", "--threads", "1")
+    assert "1 torch threads" in out
+    rows = [line.split()[0:2] for line in out.splitlines()]
+    for row in ("zenflow unselected", "zenflow close", "zenflow selected", "torch index_copy_"):
+        assert row.split() in rows, row
+    (floor,) = [line for line in out.splitlines() if line.startswith("torch copy (floor)")]
+    assert floor.split()[-2:] == ["1.00x", "1.00x"]
+
+
 def test_bench_gpu_step_quick_on_cpu(tmp_path):
     """The GPU check's timing script, its zenflow row and the peer without offload, through
     the same code on the CPU: the zenflow row checks that its timed steps did zenflow's work
