@@ -142,7 +142,7 @@ def _args(argv=None):
 # The worker: one peer, one regime, in its own process.
 
 
-def _build_model(width: int, blocks: int, classes: int):
+def build_model(width: int, blocks: int, classes: int):
     import torch
     from torch import nn
 
@@ -252,7 +252,7 @@ def _worker(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    model = _build_model(args.width, args.blocks, args.classes)
+    model = build_model(args.width, args.blocks, args.classes)
     params = sum(p.numel() for p in model.parameters())
     runner = (
         _DeepSpeed(peer, model, rows) if peer.startswith("ds ") else _Torch(peer, model, args.inner)
@@ -543,7 +543,7 @@ def main() -> None:
         f"{args.threads} threads per process, python {platform.python_version()}"
     )
     w = args.width
-    params = args.blocks * (8 * w * w + 5 * w) + (w + 1) * args.classes  # as _build_model
+    params = args.blocks * (8 * w * w + 5 * w) + (w + 1) * args.classes  # as build_model
     print(
         f"model: {args.blocks} residual MLP blocks of width {args.width} (x4 hidden) + head "
         f"{args.classes}: {params / 1e6:.1f}M fp32 parameters; lr {HYPER['lr']}, "

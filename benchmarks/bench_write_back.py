@@ -29,6 +29,7 @@ import statistics
 import time
 
 import torch
+from bench_step import build_model
 
 from zenflow.runtime.param_writes import ColumnValues, write_columns
 
@@ -43,7 +44,12 @@ def _args(argv=None):
     parser.add_argument("--classes", type=int, default=None, help="classifier outputs (2048)")
     parser.add_argument("--topk", type=float, default=0.1, help="selected share of columns")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per row (15)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (all cores)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads, for the torch rows (csrc's scatter uses every usable core)",
+    )
     args = parser.parse_args(argv)
     defaults = (
         dict(width=64, blocks=1, classes=32, rounds=3)
@@ -60,7 +66,8 @@ def _args(argv=None):
 
 def _shapes(width: int, blocks: int, classes: int) -> list[tuple[int, int]]:
     """bench_step.py's weights, ``[out, in]``."""
-    return [(4 * width, width), (width, 4 * width)] * blocks + [(classes, width)]
+    model = build_model(width, blocks, classes)
+    return [tuple(p.shape) for p in model.parameters() if p.dim() == 2]
 
 
 class Weight:
