@@ -3,8 +3,9 @@
 //   gather:  dst[i, r] = src[r, idx[i]]   (a gradient produced row-major becomes rows)
 //   scatter: dst[r, idx[i]] = src[i, r]   (updated rows are written back into the weight)
 // A plain strided copy reads or writes one element per cache line; here the work goes in tiles
-// small enough that every line read or written is used whole while it is in cache, over a pool
-// of full-priority threads the caller waits for.
+// small enough that every line read or written is used whole while it is in cache (a scatter of
+// most columns: in strips a line wide, its sources read as streams), over a pool of
+// full-priority threads the caller waits for.
 #include <sched.h>
 
 #include <algorithm>
@@ -34,6 +35,9 @@ template <typename T>
 constexpr int64_t kLineElements = 64 / sizeof(T);
 // Up to this many columns a scatter's source lines for a line of matrix rows fit in L1.
 constexpr int64_t kFewColumns = 256;
+// The most matrix rows a thread claims at a time in a scatter by strips: the strip's source
+// rows are read as streams this long.
+constexpr int64_t kStripRows = 512;
 
 int usable_cores() {
 #ifdef __linux__
@@ -136,8 +140,8 @@ void scatter_block(T* matrix, int64_t matrix_stride, const int64_t* columns, con
 // sources[j]) so that each matrix row is written front to back. Reading a tile's source lines
 // waits on memory (one line per buffer row, rows far apart): the next tile's are prefetched. A
 // few columns (a selection) go in tiles of every column and a line's worth of matrix rows: each
-// matrix row is then written in one pass, as a stream, with the source lines held in L1. Many
-// columns go through transposes in registers, K x K elements at a time.
+// matrix row is then written in one pass, as a stream, with the source lines held in L1. More
+// columns (up to half of them) go through transposes in registers, K x K elements at a time.
 template <typename T>
 void scatter_tiles(T* matrix, int64_t matrix_stride, const int64_t* columns,
                    const T* const* sources, int64_t n, int64_t r_begin, int64_t r_end) {
@@ -175,6 +179,67 @@ void scatter_tiles(T* matrix, int64_t matrix_stride, const int64_t* columns,
           line[columns[j]] = sources[j][r];
         }
       }
+    }
+  }
+}
+
+// Scatter of most of a matrix's columns: rows [r_begin, r_end) take them one strip of a cache
+// line's worth of columns at a time (column c is read from source_of[c], null where it is not
+// written). Down a strip, its source rows are read as streams, and each matrix row's line in
+// the strip is written whole at once, from K x K transposes in registers. Tile by tile instead
+// (scatter_tiles), each source line comes from memory alone, far from the last one read: for
+// a window's write-back that took two to three times as long (bench_write_back.py).
+template <typename T>
+void scatter_strips(T* matrix, int64_t matrix_stride, int64_t cols, const T* const* source_of,
+                    int64_t r_begin, int64_t r_end) {
+  constexpr int64_t L = kLineElements<T>;
+  for (int64_t c0 = 0; c0 < cols; c0 += L) {
+    const int64_t width = std::min(L, cols - c0);
+    const T* from[L];
+    int64_t present[L];
+    int64_t count = 0;
+    for (int64_t c = 0; c < width; ++c) {
+      from[c] = source_of[c0 + c];
+      if (from[c] != nullptr) present[count++] = c;
+    }
+    int64_t r_done = r_begin;
+#if defined(__SSE2__)
+    constexpr int64_t K = Transpose<T>::K;
+    if (width == L && count >= K) {
+      // A missing column's lanes are read from a written one and not stored.
+      for (int64_t c = 0; c < L; ++c) {
+        if (from[c] == nullptr) from[c] = from[present[0]];
+      }
+      r_done = r_begin + (r_end - r_begin) / K * K;
+      for (int64_t r = r_begin; r < r_done; r += K) {
+        __m128i out[L / K][K];
+        for (int64_t g = 0; g < L / K; ++g) {
+          __m128i in[K];
+          for (int64_t w = 0; w < K; ++w) {
+            in[w] = _mm_loadu_si128((const __m128i*)(from[g * K + w] + r));
+          }
+          Transpose<T>::block(in, out[g]);
+        }
+        for (int64_t i = 0; i < K; ++i) {
+          T* line = matrix + (r + i) * matrix_stride + c0;
+          if (count == L) {
+            for (int64_t g = 0; g < L / K; ++g) {
+              _mm_storeu_si128((__m128i*)(line + g * K), out[g][i]);
+            }
+          } else {
+            alignas(16) T values[L];
+            for (int64_t g = 0; g < L / K; ++g) {
+              _mm_store_si128((__m128i*)(values + g * K), out[g][i]);
+            }
+            for (int64_t p = 0; p < count; ++p) line[present[p]] = values[present[p]];
+          }
+        }
+      }
+    }
+#endif
+    for (int64_t r = r_done; r < r_end; ++r) {
+      T* line = matrix + r * matrix_stride + c0;
+      for (int64_t p = 0; p < count; ++p) line[present[p]] = from[present[p]][r];
     }
   }
 }
@@ -223,26 +288,35 @@ void gather(const void* matrix, int64_t rows, int64_t matrix_stride, const int64
 }
 
 // Every column the sets name, ascending, each with the source row it is written from (the last
-// set that names a column gives its row), then the tiles over row chunks.
+// set that names a column gives its row), then strips (most of the columns) or tiles over row
+// chunks.
 template <typename T>
 void scatter(void* matrix, int64_t rows, int64_t cols, int64_t matrix_stride, int64_t sets,
              const int64_t* const* idx, const int64_t* n, const void* const* src,
              const int64_t* src_stride) {
-  std::vector<const T*> source_of(cols, nullptr);
+  auto source_of = std::make_shared<std::vector<const T*>>(cols, nullptr);
   for (int64_t s = 0; s < sets; ++s) {
     const T* first = static_cast<const T*>(src[s]);
-    for (int64_t i = 0; i < n[s]; ++i) source_of[idx[s][i]] = first + i * src_stride[s];
+    for (int64_t i = 0; i < n[s]; ++i) (*source_of)[idx[s][i]] = first + i * src_stride[s];
+  }
+  const int64_t written = cols - std::count(source_of->begin(), source_of->end(), nullptr);
+  if (written == 0) return;
+  if (2 * written >= cols) {
+    // Every thread gets rows even where the matrix has few.
+    const int64_t share = (rows + usable_cores() - 1) / usable_cores();
+    over_row_chunks(rows, std::min(kStripRows, share), [=](int64_t begin, int64_t end) {
+      scatter_strips(static_cast<T*>(matrix), matrix_stride, cols, source_of->data(), begin, end);
+    });
+    return;
   }
   auto columns = std::make_shared<std::vector<int64_t>>();
   auto sources = std::make_shared<std::vector<const T*>>();
   for (int64_t c = 0; c < cols; ++c) {
-    if (source_of[c] != nullptr) {
+    if ((*source_of)[c] != nullptr) {
       columns->push_back(c);
-      sources->push_back(source_of[c]);
+      sources->push_back((*source_of)[c]);
     }
   }
-  const int64_t written = static_cast<int64_t>(columns->size());
-  if (written == 0) return;
   over_row_chunks(rows, kChunkRows, [=](int64_t begin, int64_t end) {
     scatter_tiles(static_cast<T*>(matrix), matrix_stride, columns->data(), sources->data(),
                   written, begin, end);

@@ -12,9 +12,10 @@ from zenflow.runtime.param_writes import (
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("picked", ["permutation", "most", "subset", "few"])
-# A few columns per row, many (through transposes in registers; sizes that leave edges to
-# every block and tile), and a weight small enough for torch's copy.
+@pytest.mark.parametrize("picked", ["permutation", "most", "lines", "subset", "few"])
+# A few columns per row, up to half of them (tiles of transposes in registers), most (strips a
+# cache line wide: whole, with gaps, nearly empty; sizes that leave edges to every block, strip
+# and tile), and a weight small enough for torch's copy.
 @pytest.mark.parametrize("shape", [(700, 97), (203, 701), (3, 5, 4, 2)])
 def test_rows_land_in_their_columns_and_nothing_else_changes(dtype, picked, shape):
     g = torch.Generator().manual_seed(0)
@@ -23,6 +24,9 @@ def test_rows_land_in_their_columns_and_nothing_else_changes(dtype, picked, shap
     index = torch.randperm(columns, generator=g)
     if picked == "most":  # as the unselected columns: runs of neighbours, with gaps
         index = index[: columns * 9 // 10]
+    elif picked == "lines":  # two of three runs of 32 columns whole, the third nearly empty
+        run = torch.arange(columns)
+        index = index[((run[index] // 32) % 3 != 2) | (run[index] % 32 < 2)]
     elif picked == "subset":
         index = index[: columns // 2]
     elif picked == "few":
