@@ -11,9 +11,13 @@ its own boundary, so a select cycle of two windows writes twice. This times thos
 bench_step.py's model (residual MLP blocks of width -> 4 width -> width and a classifier head,
 fp32) beside what the same bytes cost without the transpose:
 
-  zenflow unselected     ``write_columns`` of the unselected columns (csrc's tiled scatter)
+  zenflow unselected     ``write_columns`` of the unselected columns (csrc's scatter)
   zenflow close          the unselected and the selected columns in one pass (a window close)
   zenflow selected       the selected columns alone (every step inside a window)
+  zenflow gather         the reverse, on the gradient's side: a gradient the backward hands
+                         over as ``[out, columns]`` gathered into rows, every column, in the
+                         selected-first order (``gather_rows``: csrc's gather; every step where
+                         the batch is too large for the gradient's factors to pay)
   torch index_copy_      ``index_copy_`` along the columns from the same rows, transposed view
   torch copy (floor)     a contiguous copy of the whole parameter (no transpose, every column)
 
@@ -31,6 +35,7 @@ import time
 import torch
 from bench_step import build_model
 
+from zenflow.runtime.gradient_rows import gather_rows
 from zenflow.runtime.param_writes import ColumnValues, write_columns
 
 EVICT_ELEMENTS = 64 << 20  # 256 MB of fp32: larger than most last-level caches' share
@@ -84,6 +89,8 @@ class Weight:
             unselected, torch.randn(unselected.numel(), out, generator=generator)
         )
         self.whole = torch.randn(shape, generator=generator)
+        self.order = torch.cat([self.selected.columns, unselected])
+        self.gathered = torch.empty(columns, out)
 
 
 def _rows(weights: list[Weight]) -> dict:
@@ -93,6 +100,9 @@ def _rows(weights: list[Weight]) -> dict:
             write_columns(w.param, w.unselected, w.selected) for w in weights
         ],
         "zenflow selected": lambda: [write_columns(w.param, w.selected) for w in weights],
+        "zenflow gather": lambda: [
+            gather_rows(w.whole.t(), w.order, out=w.gathered) for w in weights
+        ],
         "torch index_copy_": lambda: [
             w.param.index_copy_(1, w.unselected.columns, w.unselected.rows.t()) for w in weights
         ],
@@ -122,7 +132,10 @@ def main(argv=None) -> None:
     ]
     elements = sum(w.param.numel() for w in weights)
     unselected = sum(w.unselected.rows.numel() for w in weights)
-    print("# bench_write_back: writing updated columns into row-major fp32 weights")
+    print(
+        "# bench_write_back: writing updated columns into row-major fp32 weights "
+        "(and gathering a gradient's columns)"
+    )
     print(
         f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, "
         f"torch {torch.__version__}"

@@ -35,8 +35,8 @@ template <typename T>
 constexpr int64_t kLineElements = 64 / sizeof(T);
 // Up to this many columns a scatter's source lines for a line of matrix rows fit in L1.
 constexpr int64_t kFewColumns = 256;
-// The most matrix rows a thread claims at a time in a scatter by strips: the strip's source
-// rows are read as streams this long.
+// The most matrix rows a thread claims at a time in a gather or scatter by strips: the strip's
+// buffer rows are read or written as streams this long.
 constexpr int64_t kStripRows = 512;
 
 int usable_cores() {
@@ -244,6 +244,56 @@ void scatter_strips(T* matrix, int64_t matrix_stride, int64_t cols, const T* con
   }
 }
 
+// Gather of most of a matrix's columns, the scatter by strips' twin: down a strip a cache line
+// wide, each matrix row's line in it is read whole at once, and the strip's buffer rows
+// (row_of[c], null where column c is not gathered) are written as streams.
+template <typename T>
+void gather_strips(const T* matrix, int64_t matrix_stride, int64_t cols, T* const* row_of,
+                   int64_t r_begin, int64_t r_end) {
+  constexpr int64_t L = kLineElements<T>;
+  for (int64_t c0 = 0; c0 < cols; c0 += L) {
+    const int64_t width = std::min(L, cols - c0);
+    T* to[L];
+    int64_t present[L];
+    int64_t count = 0;
+    for (int64_t c = 0; c < width; ++c) {
+      to[c] = row_of[c0 + c];
+      if (to[c] != nullptr) present[count++] = c;
+    }
+    int64_t r_done = r_begin;
+#if defined(__SSE2__)
+    constexpr int64_t K = Transpose<T>::K;
+    if (width == L && count >= K) {
+      r_done = r_begin + (r_end - r_begin) / K * K;
+      for (int64_t r = r_begin; r < r_done; r += K) {
+        const T* line = matrix + r * matrix_stride + c0;
+        for (int64_t g = 0; g < L / K; ++g) {
+          __m128i in[K], out[K];
+          for (int64_t w = 0; w < K; ++w) {
+            in[w] = _mm_loadu_si128((const __m128i*)(line + w * matrix_stride + g * K));
+          }
+          Transpose<T>::block(in, out);
+          for (int64_t i = 0; i < K; ++i) {
+            if (to[g * K + i] != nullptr) _mm_storeu_si128((__m128i*)(to[g * K + i] + r), out[i]);
+          }
+        }
+      }
+    }
+#endif
+    for (int64_t r = r_done; r < r_end; ++r) {
+      const T* line = matrix + r * matrix_stride + c0;
+      for (int64_t p = 0; p < count; ++p) to[present[p]][r] = line[present[p]];
+    }
+  }
+}
+
+// The matrix rows a thread claims at a time in a gather or scatter by strips: every thread gets
+// rows even where the matrix has few.
+int64_t strip_chunk_rows(int64_t rows) {
+  const int64_t share = (rows + usable_cores() - 1) / usable_cores();
+  return std::min(kStripRows, share);
+}
+
 // Checks the arguments shared by both directions: 0 if valid (nothing to do included).
 int check(int64_t rows, int64_t cols, int64_t matrix_stride, const int64_t* idx, int64_t n,
           int64_t rows_stride, int elem_size) {
@@ -279,8 +329,24 @@ void over_row_chunks(int64_t rows, int64_t chunk_rows, Chunk chunk) {
 }
 
 template <typename T>
-void gather(const void* matrix, int64_t rows, int64_t matrix_stride, const int64_t* idx,
-            int64_t n, void* buffer, int64_t rows_stride) {
+void gather(const void* matrix, int64_t rows, int64_t cols, int64_t matrix_stride,
+            const int64_t* idx, int64_t n, void* buffer, int64_t rows_stride) {
+  if (2 * n >= cols) {  // most columns, each gathered once: strips
+    auto row_of = std::make_shared<std::vector<T*>>(cols, nullptr);
+    bool distinct = true;
+    for (int64_t i = 0; i < n; ++i) {
+      T*& row = (*row_of)[idx[i]];
+      distinct = distinct && row == nullptr;
+      row = static_cast<T*>(buffer) + i * rows_stride;
+    }
+    if (distinct) {
+      over_row_chunks(rows, strip_chunk_rows(rows), [=](int64_t begin, int64_t end) {
+        gather_strips(static_cast<const T*>(matrix), matrix_stride, cols, row_of->data(), begin,
+                      end);
+      });
+      return;
+    }
+  }
   over_row_chunks(rows, kChunkRows, [=](int64_t begin, int64_t end) {
     gather_tiles(static_cast<const T*>(matrix), matrix_stride, idx, n, static_cast<T*>(buffer),
                  rows_stride, begin, end);
@@ -302,9 +368,7 @@ void scatter(void* matrix, int64_t rows, int64_t cols, int64_t matrix_stride, in
   const int64_t written = cols - std::count(source_of->begin(), source_of->end(), nullptr);
   if (written == 0) return;
   if (2 * written >= cols) {
-    // Every thread gets rows even where the matrix has few.
-    const int64_t share = (rows + usable_cores() - 1) / usable_cores();
-    over_row_chunks(rows, std::min(kStripRows, share), [=](int64_t begin, int64_t end) {
+    over_row_chunks(rows, strip_chunk_rows(rows), [=](int64_t begin, int64_t end) {
       scatter_strips(static_cast<T*>(matrix), matrix_stride, cols, source_of->data(), begin, end);
     });
     return;
@@ -335,9 +399,9 @@ ZF_API int zf_gather_columns(const void* src, int64_t rows, int64_t cols, int64_
   if (check(rows, cols, src_stride, idx, n, dst_stride, elem_size)) return 1;
   if (rows == 0 || n == 0) return 0;
   if (elem_size == 4) {
-    gather<uint32_t>(src, rows, src_stride, idx, n, dst, dst_stride);
+    gather<uint32_t>(src, rows, cols, src_stride, idx, n, dst, dst_stride);
   } else {
-    gather<uint16_t>(src, rows, src_stride, idx, n, dst, dst_stride);
+    gather<uint16_t>(src, rows, cols, src_stride, idx, n, dst, dst_stride);
   }
   return 0;
 }

@@ -88,7 +88,13 @@ def test_bench_write_back_quick():
     out = _run("bench_write_back.py", "--threads", "1")
     assert "1 torch threads" in out
     rows = [line.split()[0:2] for line in out.splitlines()]
-    for row in ("zenflow unselected", "zenflow close", "zenflow selected", "torch index_copy_"):
+    for row in (
+        "zenflow unselected",
+        "zenflow close",
+        "zenflow selected",
+        "zenflow gather",
+        "torch index_copy_",
+    ):
         assert row.split() in rows, row
     (floor,) = [line for line in out.splitlines() if line.startswith("torch copy (floor)")]
     assert floor.split()[-2:] == ["1.00x", "1.00x"]

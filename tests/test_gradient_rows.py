@@ -9,16 +9,24 @@ from zenflow.runtime.gradient_rows import TILED_GATHER_MIN_ELEMENTS, gather_rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("picked", ["permutation", "subset"])
+@pytest.mark.parametrize("picked", ["permutation", "most", "lines", "repeated", "subset"])
 def test_tiled_gather_of_a_transposed_matrix_equals_indexing(dtype, picked):
-    """Large enough for csrc's tiled kernel; a row stride wider than the row, odd sizes."""
+    """Large enough for csrc's kernel; a row stride wider than the row, odd sizes. Most of the
+    columns, each once, go in strips a cache line wide (whole, with gaps, nearly empty); fewer,
+    or a column named twice, in tiles."""
     g = torch.Generator().manual_seed(3)
     wide = torch.randn(700, 130, generator=g).to(dtype)
     matrix = wide[:, :97]  # [out, columns] with row stride 130
     columns_by_out = matrix.t()
     assert columns_by_out.numel() >= TILED_GATHER_MIN_ELEMENTS
     index = torch.randperm(97, generator=g)
-    if picked == "subset":
+    if picked == "most":
+        index = index[: 97 * 9 // 10]
+    elif picked == "lines":  # two of three runs of 32 columns whole, the third nearly empty
+        index = index[((index // 32) % 3 != 2) | (index % 32 < 2)]
+    elif picked == "repeated":
+        index[7] = index[3]
+    elif picked == "subset":
         index = index[:41]
     out = torch.full((index.numel(), 700), float("nan"), dtype=dtype)
     assert gather_rows(columns_by_out, index, out=out) is out
