@@ -183,6 +183,31 @@ void scatter_tiles(T* matrix, int64_t matrix_stride, const int64_t* columns,
   }
 }
 
+// The columns [c0, c0 + L) of a matrix (fewer at its right edge), L a cache line's worth: each
+// one's buffer row (null where the column is not moved) and the places of those that are.
+template <typename T, typename Row>
+struct Strip {
+  static constexpr int64_t L = kLineElements<T>;
+  int64_t width;
+  Row rows[L];
+  int64_t present[L];
+  int64_t count = 0;
+
+  Strip(const Row* row_of, int64_t c0, int64_t cols) : width(std::min(L, cols - c0)) {
+    for (int64_t c = 0; c < width; ++c) {
+      rows[c] = row_of[c0 + c];
+      if (rows[c] != nullptr) present[count++] = c;
+    }
+  }
+
+  // Where rows [r_begin, r_end) stop going through k x k transposes: none unless the strip is
+  // a whole line wide and moves at least k columns.
+  int64_t transposed_end(int64_t r_begin, int64_t r_end, int64_t k) const {
+    if (width < L || count < k) return r_begin;
+    return r_begin + (r_end - r_begin) / k * k;
+  }
+};
+
 // Scatter of most of a matrix's columns: rows [r_begin, r_end) take them one strip of a cache
 // line's worth of columns at a time (column c is read from source_of[c], null where it is not
 // written). Down a strip, its source rows are read as streams, and each matrix row's line in
@@ -194,52 +219,46 @@ void scatter_strips(T* matrix, int64_t matrix_stride, int64_t cols, const T* con
                     int64_t r_begin, int64_t r_end) {
   constexpr int64_t L = kLineElements<T>;
   for (int64_t c0 = 0; c0 < cols; c0 += L) {
-    const int64_t width = std::min(L, cols - c0);
-    const T* from[L];
-    int64_t present[L];
-    int64_t count = 0;
-    for (int64_t c = 0; c < width; ++c) {
-      from[c] = source_of[c0 + c];
-      if (from[c] != nullptr) present[count++] = c;
-    }
+    Strip<T, const T*> strip(source_of, c0, cols);
+    const T** from = strip.rows;
+    const int64_t* present = strip.present;
     int64_t r_done = r_begin;
 #if defined(__SSE2__)
     constexpr int64_t K = Transpose<T>::K;
-    if (width == L && count >= K) {
-      // A missing column's lanes are read from a written one and not stored.
+    r_done = strip.transposed_end(r_begin, r_end, K);
+    if (r_done > r_begin) {  // a missing column's lanes are read from a written one, not stored
       for (int64_t c = 0; c < L; ++c) {
         if (from[c] == nullptr) from[c] = from[present[0]];
       }
-      r_done = r_begin + (r_end - r_begin) / K * K;
-      for (int64_t r = r_begin; r < r_done; r += K) {
-        __m128i out[L / K][K];
-        for (int64_t g = 0; g < L / K; ++g) {
-          __m128i in[K];
-          for (int64_t w = 0; w < K; ++w) {
-            in[w] = _mm_loadu_si128((const __m128i*)(from[g * K + w] + r));
-          }
-          Transpose<T>::block(in, out[g]);
+    }
+    for (int64_t r = r_begin; r < r_done; r += K) {
+      __m128i out[L / K][K];
+      for (int64_t g = 0; g < L / K; ++g) {
+        __m128i in[K];
+        for (int64_t w = 0; w < K; ++w) {
+          in[w] = _mm_loadu_si128((const __m128i*)(from[g * K + w] + r));
         }
-        for (int64_t i = 0; i < K; ++i) {
-          T* line = matrix + (r + i) * matrix_stride + c0;
-          if (count == L) {
-            for (int64_t g = 0; g < L / K; ++g) {
-              _mm_storeu_si128((__m128i*)(line + g * K), out[g][i]);
-            }
-          } else {
-            alignas(16) T values[L];
-            for (int64_t g = 0; g < L / K; ++g) {
-              _mm_store_si128((__m128i*)(values + g * K), out[g][i]);
-            }
-            for (int64_t p = 0; p < count; ++p) line[present[p]] = values[present[p]];
+        Transpose<T>::block(in, out[g]);
+      }
+      for (int64_t i = 0; i < K; ++i) {
+        T* line = matrix + (r + i) * matrix_stride + c0;
+        if (strip.count == L) {
+          for (int64_t g = 0; g < L / K; ++g) {
+            _mm_storeu_si128((__m128i*)(line + g * K), out[g][i]);
           }
+        } else {
+          alignas(16) T values[L];
+          for (int64_t g = 0; g < L / K; ++g) {
+            _mm_store_si128((__m128i*)(values + g * K), out[g][i]);
+          }
+          for (int64_t p = 0; p < strip.count; ++p) line[present[p]] = values[present[p]];
         }
       }
     }
 #endif
     for (int64_t r = r_done; r < r_end; ++r) {
       T* line = matrix + r * matrix_stride + c0;
-      for (int64_t p = 0; p < count; ++p) line[present[p]] = from[present[p]][r];
+      for (int64_t p = 0; p < strip.count; ++p) line[present[p]] = from[present[p]][r];
     }
   }
 }
@@ -252,37 +271,29 @@ void gather_strips(const T* matrix, int64_t matrix_stride, int64_t cols, T* cons
                    int64_t r_begin, int64_t r_end) {
   constexpr int64_t L = kLineElements<T>;
   for (int64_t c0 = 0; c0 < cols; c0 += L) {
-    const int64_t width = std::min(L, cols - c0);
-    T* to[L];
-    int64_t present[L];
-    int64_t count = 0;
-    for (int64_t c = 0; c < width; ++c) {
-      to[c] = row_of[c0 + c];
-      if (to[c] != nullptr) present[count++] = c;
-    }
+    const Strip<T, T*> strip(row_of, c0, cols);
+    T* const* to = strip.rows;
     int64_t r_done = r_begin;
 #if defined(__SSE2__)
     constexpr int64_t K = Transpose<T>::K;
-    if (width == L && count >= K) {
-      r_done = r_begin + (r_end - r_begin) / K * K;
-      for (int64_t r = r_begin; r < r_done; r += K) {
-        const T* line = matrix + r * matrix_stride + c0;
-        for (int64_t g = 0; g < L / K; ++g) {
-          __m128i in[K], out[K];
-          for (int64_t w = 0; w < K; ++w) {
-            in[w] = _mm_loadu_si128((const __m128i*)(line + w * matrix_stride + g * K));
-          }
-          Transpose<T>::block(in, out);
-          for (int64_t i = 0; i < K; ++i) {
-            if (to[g * K + i] != nullptr) _mm_storeu_si128((__m128i*)(to[g * K + i] + r), out[i]);
-          }
+    r_done = strip.transposed_end(r_begin, r_end, K);
+    for (int64_t r = r_begin; r < r_done; r += K) {
+      const T* line = matrix + r * matrix_stride + c0;
+      for (int64_t g = 0; g < L / K; ++g) {
+        __m128i in[K], out[K];
+        for (int64_t w = 0; w < K; ++w) {
+          in[w] = _mm_loadu_si128((const __m128i*)(line + w * matrix_stride + g * K));
+        }
+        Transpose<T>::block(in, out);
+        for (int64_t i = 0; i < K; ++i) {
+          if (to[g * K + i] != nullptr) _mm_storeu_si128((__m128i*)(to[g * K + i] + r), out[i]);
         }
       }
     }
 #endif
     for (int64_t r = r_done; r < r_end; ++r) {
       const T* line = matrix + r * matrix_stride + c0;
-      for (int64_t p = 0; p < count; ++p) to[present[p]][r] = line[present[p]];
+      for (int64_t p = 0; p < strip.count; ++p) to[strip.present[p]][r] = line[strip.present[p]];
     }
   }
 }
