@@ -3,9 +3,9 @@
 //   gather:  dst[i, r] = src[r, idx[i]]   (a gradient produced row-major becomes rows)
 //   scatter: dst[r, idx[i]] = src[i, r]   (updated rows are written back into the weight)
 // A plain strided copy reads or writes one element per cache line; here the work goes in tiles
-// small enough that every line read or written is used whole while it is in cache (a scatter of
-// most columns: in strips a line wide, its sources read as streams), over a pool of
-// full-priority threads the caller waits for.
+// small enough that every line read or written is used whole while it is in cache (most of the
+// columns, either way: in strips a line wide, the buffer's rows read or written as streams),
+// over a pool of full-priority threads the caller waits for.
 #include <sched.h>
 
 #include <algorithm>
