@@ -366,8 +366,8 @@ void gather(const void* matrix, int64_t rows, int64_t cols, int64_t matrix_strid
 
 // Every column the sets name, ascending, each with the source row it is written from (the last
 // set that names a column gives its row), then strips (at least half of the columns) or tiles
-// over row chunks. Strips were the faster at half the columns and tiles at 30 % (1.6x and 0.9x
-// the other's speed for bench_write_back.py's weights, --topk 0.5 and 0.3).
+// over row chunks. For bench_write_back.py's weights strips ran at 1.6x the tiles' speed with
+// half of the columns, at 0.9x with 30 % of them (--topk 0.5 and 0.3).
 template <typename T>
 void scatter(void* matrix, int64_t rows, int64_t cols, int64_t matrix_stride, int64_t sets,
              const int64_t* const* idx, const int64_t* n, const void* const* src,
