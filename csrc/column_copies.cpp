@@ -298,11 +298,16 @@ void gather_strips(const T* matrix, int64_t matrix_stride, int64_t cols, T* cons
   }
 }
 
+// Whether moving `moved` of a matrix's `cols` columns goes by strips rather than tiles: from half
+// of them. For bench_write_back.py's weights strips ran at 1.6x the tiles' speed with half of
+// the columns, at 0.9x with 30 % of them (--topk 0.5 and 0.3).
+bool by_strips(int64_t moved, int64_t cols) { return 2 * moved >= cols; }
+
 // The matrix rows a thread claims at a time in a gather or scatter by strips: every thread gets
 // rows even where the matrix has few.
 int64_t strip_chunk_rows(int64_t rows) {
-  const int64_t share = (rows + usable_cores() - 1) / usable_cores();
-  return std::min(kStripRows, share);
+  const int64_t cores = usable_cores();
+  return std::min(kStripRows, (rows + cores - 1) / cores);
 }
 
 // Checks the arguments shared by both directions: 0 if valid (nothing to do included).
@@ -342,7 +347,7 @@ void over_row_chunks(int64_t rows, int64_t chunk_rows, Chunk chunk) {
 template <typename T>
 void gather(const void* matrix, int64_t rows, int64_t cols, int64_t matrix_stride,
             const int64_t* idx, int64_t n, void* buffer, int64_t rows_stride) {
-  if (2 * n >= cols) {  // most columns, each gathered once: strips
+  if (by_strips(n, cols)) {  // and each column gathered once
     auto row_of = std::make_shared<std::vector<T*>>(cols, nullptr);
     bool distinct = true;
     for (int64_t i = 0; i < n; ++i) {
@@ -365,9 +370,7 @@ void gather(const void* matrix, int64_t rows, int64_t cols, int64_t matrix_strid
 }
 
 // Every column the sets name, ascending, each with the source row it is written from (the last
-// set that names a column gives its row), then strips (at least half of the columns) or tiles
-// over row chunks. For bench_write_back.py's weights strips ran at 1.6x the tiles' speed with
-// half of the columns, at 0.9x with 30 % of them (--topk 0.5 and 0.3).
+// set that names a column gives its row), then strips or tiles over row chunks.
 template <typename T>
 void scatter(void* matrix, int64_t rows, int64_t cols, int64_t matrix_stride, int64_t sets,
              const int64_t* const* idx, const int64_t* n, const void* const* src,
@@ -379,7 +382,7 @@ void scatter(void* matrix, int64_t rows, int64_t cols, int64_t matrix_stride, in
   }
   const int64_t written = cols - std::count(source_of->begin(), source_of->end(), nullptr);
   if (written == 0) return;
-  if (2 * written >= cols) {
+  if (by_strips(written, cols)) {
     over_row_chunks(rows, strip_chunk_rows(rows), [=](int64_t begin, int64_t end) {
       scatter_strips(static_cast<T*>(matrix), matrix_stride, cols, source_of->data(), begin, end);
     });

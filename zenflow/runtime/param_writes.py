@@ -5,13 +5,14 @@ Parameters keep PyTorch's layout (``[out, columns]``, row-major, contiguous): tr
 weight's columns as rows (``[n, out]``, each column contiguous), so writing rows back is a
 transpose. On the CPU it is csrc's scatter, on every core: most of a weight's columns (a
 window's write-back) in strips a cache line wide, whose source rows are read as streams and
-whose lines are written whole; fewer in tiles that keep each line in cache while it is used. On a GPU it is one ``index_copy_`` along the columns: for a window's
-unselected columns (most of the weight) from the rows gathered into ``[out, n]`` in ascending
-column order, so that neighbouring threads write neighbouring addresses of a row; for the
-selected ones (a tenth of the columns, written every step) straight from the transposed rows.
-That saves a launch per weight and step on the training thread, and at a tenth of the columns
-a row's neighbouring writes fall in separate memory sectors whether the columns are sorted or
-not (a 1024 x 4096 bf16 weight's tenth is about 13 MB of sectors either way, by arithmetic).
+whose lines are written whole; fewer in tiles that keep each line in cache while it is used. On
+a GPU it is one ``index_copy_`` along the columns: for a window's unselected columns (most of
+the weight) from the rows gathered into ``[out, n]`` in ascending column order, so that
+neighbouring threads write neighbouring addresses of a row; for the selected ones (a tenth of
+the columns, written every step) straight from the transposed rows. That saves a launch per
+weight and step on the training thread, and at a tenth of the columns a row's neighbouring
+writes fall in separate memory sectors whether the columns are sorted or not (a 1024 x 4096
+bf16 weight's tenth is about 13 MB of sectors either way, by arithmetic).
 """
 
 import ctypes
