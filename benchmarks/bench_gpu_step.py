@@ -87,7 +87,7 @@ HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 # host recorded: slow for a long cycle).
 PHASE_STEPS = 16
 # zenflow's counters recorded for every timed step, to split a slow one.
-STEP_COUNTERS = ("host_after_sync_s", "optimizer_wait_s", "device_syncs")
+STEP_COUNTERS = ("host_after_sync_s", "optimizer_wait_s", "device_syncs", "hand_over_s")
 
 
 def _args(argv=None):
@@ -846,6 +846,12 @@ def _host_split(name: str, record: dict) -> str | None:
         f"{name} host ms per step, unprofiled (medians over {which}): forward {forward:.1f}, "
         f"backward {backward:.1f}, optimizer step {step:.1f}"
     )
+    counted = record.get("step_counters") or []
+    if len(counted) == len(host) and all("hand_over_s" in counted[i] for i in chosen):
+        # What zenflow adds to the compiled backward's host time; the rest of it is the graph's
+        # own work, which AdamW's row runs as well.
+        hand_overs = 1000 * statistics.median(counted[i]["hand_over_s"] for i in chosen)
+        text += f" (of the backward, zenflow's gradient hand-overs {hand_overs:.1f})"
     spans = record.get("fwd_bwd_s") or []
     if len(spans) == len(host):
         device = 1000 * statistics.median(spans[i] for i in chosen)

@@ -35,11 +35,12 @@ hundred thousand Python objects that each full pass walks (a quarter of a second
 every step that keeps many new objects alive at once sets passes off. Times vary with the
 machine and what else runs on it; ratios within one run are the comparable figures.
 
-Last, each zenflow row's host time in ``step()`` after the step's last synchronization
-(``stats()["host_after_sync_s"]``, per step, over the same timed cycles): on a GPU the device
-has run out of work at that synchronization and waits for the host about that long, whatever
-the model's size, since what the host queues then comes after it. torch's AdamW has no such
-wait: its host runs ahead of the device.
+Last, each zenflow row's host time in the backward's hand-overs of gradients to the runtime
+(``stats()["hand_over_s"]``: what zenflow adds to the backward) and in ``step()`` after the
+step's last synchronization (``stats()["host_after_sync_s"]``, per step, over the same timed
+cycles): on a GPU the device has run out of work at that synchronization and waits for the host
+about that long, whatever the model's size, since what the host queues then comes after it.
+torch's AdamW has no such wait: its host runs ahead of the device.
 """
 
 import argparse
@@ -233,6 +234,7 @@ class _TimedRow:
         self.compiled, self.opt, self.x = _training(name, layers, dtype, cadence)
         self.times: list[tuple[float, float, float]] = []
         self.after_sync: list[float] = []  # zenflow: each step's host_after_sync_s
+        self.hand_overs: list[float] = []  # zenflow: each backward's hand_over_s
         self.passes = _Collections()
         for _ in range(3 * cadence.select_interval):  # warm-up, the first selection, a cycle
             self._step()
@@ -248,25 +250,32 @@ class _TimedRow:
         stepped = time.perf_counter()
         return backward - forward, stepped - backward, stepped - started
 
-    def _after_sync_s(self) -> float:
+    def _counted_s(self) -> tuple[float, float]:
+        """zenflow's host time after the steps' synchronizations and in the backward's
+        hand-overs so far (0 for torch's AdamW)."""
         stats = getattr(self.opt, "stats", None)
-        return stats()["host_after_sync_s"] if stats else 0.0
+        if stats is None:
+            return 0.0, 0.0
+        counted = stats()
+        return counted["host_after_sync_s"], counted["hand_over_s"]
 
     def cycle(self) -> None:
-        counted = self._after_sync_s()
+        counted = self._counted_s()
         gc.callbacks.append(self.passes)
         try:
             for _ in range(self.cadence.select_interval):
                 self.times.append(self._step())
-                before, counted = counted, self._after_sync_s()  # read outside the timed step
-                self.after_sync.append(counted - before)
+                before, counted = counted, self._counted_s()  # read outside the timed step
+                self.after_sync.append(counted[0] - before[0])
+                self.hand_overs.append(counted[1] - before[1])
         finally:
             gc.callbacks.remove(self.passes)
 
     def summary(self) -> dict:
         """Milliseconds: the backward's and each kind of step's median, the mean whole step;
         the collector's passes per 100 steps; each kind of step's median host time after
-        its synchronization (``after_<kind>``) and the mean (``after_mean``)."""
+        its synchronization (``after_<kind>``) and the mean (``after_mean``); the median
+        backward's hand-overs (``hand_overs``)."""
         steps = [t[1] for t in self.times]
         by_kind = self._medians_by_kind(steps)
         after = self._medians_by_kind(self.after_sync)
@@ -278,6 +287,7 @@ class _TimedRow:
             full=100 * self.passes.full / len(self.times),
             **{f"after_{kind}": t * 1e3 for kind, t in after.items()},
             after_mean=statistics.mean(self.after_sync) * 1e3,
+            hand_overs=statistics.median(self.hand_overs) * 1e3,
         )
 
     def _medians_by_kind(self, per_step: list[float]) -> dict[str, float]:
@@ -320,14 +330,23 @@ def _print_times(
             f"{t['mean'] * per_layer:11.1f}{t['mean'] / reference:11.2f}x"
             f"{t['young']:9.0f} young{t['full']:4.1f} full"
         )
-    print("\nhost time in step() after the step's synchronization, per layer (us):")
-    header = f"{'row':22s}{'ordinary':>10s}{'window':>10s}{'select':>10s}{'mean step':>11s}"
+    print(
+        "\nzenflow's host time per layer (us): in the backward's hand-overs, and in step() after "
+        "the step's synchronization:"
+    )
+    header = (
+        f"{'row':22s}{'hand-overs':>12s}{'ordinary':>10s}{'window':>10s}{'select':>10s}"
+        f"{'mean step':>11s}"
+    )
     print(header + f"{'of the step':>13s}\n" + "-" * (len(header) + 13))
     for name, t in timed.items():
         if name.startswith("zenflow"):
             kinds = "".join(_cell(t.get(f"after_{kind}"), per_layer) for kind in KINDS)
             share = 100 * t["after_mean"] / t["mean"]
-            print(f"{name:22s}{kinds}{t['after_mean'] * per_layer:11.1f}{share:12.0f}%")
+            print(
+                f"{name:22s}{t['hand_overs'] * per_layer:12.1f}{kinds}"
+                f"{t['after_mean'] * per_layer:11.1f}{share:12.0f}%"
+            )
 
 
 def _cell(value: float | None, scale: float) -> str:
@@ -384,9 +403,10 @@ def main(argv=None) -> None:
         "mean); mean step: forward, backward and step over whole select cycles, the garbage "
         "collector's passes included; vs foreach: the mean step over torch foreach AdamW's. "
         "young: collections of generations 0 and 1; full: of every object the process tracks "
-        "(a compiled model's many: a fraction of a second each). After the synchronization: "
-        "medians as above; on a GPU, the device's wait for the host in each step; of the step: "
-        "that wait's mean against the row's mean whole step."
+        "(a compiled model's many: a fraction of a second each). hand-overs: the median "
+        "backward's time in zenflow's ops (stats()['hand_over_s']), part of its backward column. "
+        "After the synchronization: medians as above; on a GPU, the device's wait for the host "
+        "in each step; of the step: that wait's mean against the row's mean whole step."
     )
 
 

@@ -82,6 +82,10 @@ def test_bench_host_ops_quick():
     assert "## float32: operations per layer" in out
     for row in ("zenflow device sums", "zenflow host sums", "torch adamw foreach"):
         assert any(line.startswith(row) for line in out.splitlines()), row
+    # zenflow's rows, a second time: their hand-overs and host time after the synchronization.
+    assert "in the backward's hand-overs" in out
+    timed = [line.split() for line in out.splitlines() if line.startswith("zenflow device sums")]
+    assert float(timed[-1][3]) > 0  # hand-overs, per layer
 
 
 def test_bench_write_back_quick():

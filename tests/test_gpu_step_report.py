@@ -68,8 +68,9 @@ def test_the_table_reports_each_rows_idle_split_largest_first(bench_gpu_step, tm
 
 
 def test_the_hosts_time_per_part_is_over_the_steps_inside_a_window(bench_gpu_step, tmp_path):
-    """Unprofiled medians of the host's forward, backward and step, beside the device's
-    forward+backward: a window's closing step (slow on the host) stays out of them."""
+    """Unprofiled medians of the host's forward, backward (with zenflow's hand-overs in it)
+    and step, beside the device's forward+backward: a window's closing step (slow on the host)
+    stays out of them."""
     inside = "inside a window"
     record = dict(
         peer="zenflow",
@@ -81,6 +82,7 @@ def test_the_hosts_time_per_part_is_over_the_steps_inside_a_window(bench_gpu_ste
         step_kinds=[inside, inside, inside, "window close"],
         host_s=[[0.008, 0.030, 0.012], [0.010, 0.034, 0.010], [0.009, 0.032, 0.011], [1, 1, 1]],
         fwd_bwd_s=[0.05, 0.052, 0.051, 0.5],
+        step_counters=[dict(hand_over_s=s) for s in (0.004, 0.006, 0.005, 0.009)],
     )
     (tmp_path / "bench_zenflow.json").write_text(json.dumps(record))
     (tmp_path / "bench_adamw.json").write_text(
@@ -89,8 +91,8 @@ def test_the_hosts_time_per_part_is_over_the_steps_inside_a_window(bench_gpu_ste
     table = bench_gpu_step._summarize(argparse.Namespace(out=str(tmp_path)))
     assert (
         "zenflow host ms per step, unprofiled (medians over the 3 steps inside a window): "
-        "forward 9.0, backward 32.0, optimizer step 11.0; forward+backward on the device's "
-        "clock 51.0\n"
+        "forward 9.0, backward 32.0, optimizer step 11.0 (of the backward, zenflow's gradient "
+        "hand-overs 5.0); forward+backward on the device's clock 51.0\n"
     ) in table
     assert (
         "adamw host ms per step, unprofiled (medians over 4 steps): forward 4.0, backward 6.0, "

@@ -233,6 +233,32 @@ def test_stats_time_the_host_after_each_steps_synchronization():
     assert 0 < after_sync < in_step
 
 
+def test_stats_time_the_backwards_hand_overs():
+    """``hand_over_s``: the time compiled backward passes spent handing gradients to the
+    runtime, some of each backward and none of step(); a model that is not compiled has its
+    ``.grad`` taken in step() and hands nothing over."""
+    data = batches("mlp", 6)
+    model = build("mlp")
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **SETTINGS)
+    compiled = torch.compile(model, backend="zenflow", options={"inner": "eager"})
+    in_backward = 0.0
+    for inputs, targets in data:
+        opt.zero_grad()
+        loss = loss_of("mlp", compiled, inputs, targets)
+        started = time.perf_counter()
+        loss.backward()
+        in_backward += time.perf_counter() - started
+        before_step = opt.stats()["hand_over_s"]
+        opt.step()
+        assert opt.stats()["hand_over_s"] == before_step
+    assert 0 < opt.stats()["hand_over_s"] < in_backward
+
+    eager_model = build("mlp")
+    eager_opt = ZenFlowAdamW(eager_model.parameters(), step_backend="eager", **SETTINGS)
+    train(eager_model, eager_opt, data)
+    assert eager_opt.stats()["hand_over_s"] == 0.0
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -214,8 +214,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         updates' run time in the pool, overlapped or not), cpu_accumulate_s (the pool's run
         time adding steps into the windows' host-side sums), host_after_sync_s (the training
         thread's time in step() after each step's last synchronization with the device: on a
-        GPU the device waits for the host about that long), accumulate_on_device (whether the
-        windows' sums stay on the device).
+        GPU the device waits for the host about that long), hand_over_s (the training thread's
+        time in the rewritten backward graphs' hand-overs of gradients to zenflow: what zenflow
+        adds to a compiled backward's host time), accumulate_on_device (whether the windows'
+        sums stay on the device).
         """
         return self._runtime.stats()
 

@@ -727,6 +727,7 @@ class Conductor:
             host_columns=sum(w.layout.block_rows for w in self.weights),
             accumulate_on_device=self.device_sums.on,
             device_syncs=self.sync.count,
+            hand_over_s=sum(w.hand_over_s for w in self.weights),
             **self.counters,
         )
 

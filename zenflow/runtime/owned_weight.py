@@ -10,6 +10,7 @@ PyTorch's layout; updated values are written into its columns
 (``zenflow.runtime.param_writes``).
 """
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,8 @@ class OwnedWeight:
     buffer the device update copies the selected columns' values into, its registry slot, and
     the step's gradient as ``.grad`` shows it (the ``StagedGradient``, and whether it is
     reduced over ranks, and its squared norm once the step or a clip took it: no micro-batch
-    may join after that).
+    may join after that), and the host time the backward's hand-overs took (``hand_over_s``,
+    seconds over its life: on a GPU the backward's share that is zenflow's, unprofiled).
     ``offload``: the selected columns' state lives on the host, and is
     updated there; ``device_sums``: the window's sum is kept on the weight's device; ``sync``:
     the optimizer's counted waits for the device."""
@@ -85,24 +87,26 @@ class OwnedWeight:
         self._gradient: StagedGradient | None = None
         self._finished = False
         self._norm_sq: torch.Tensor | None = None
+        self.hand_over_s = 0.0
         self.slot = registry.register(param, self)
 
     # The runtime side of zenflow.compile.ops: called from compiled backward graphs.
 
     def stage_matmul(self, columns_by_batch, out_grad, lookup=None) -> None:
-        self._before_staging()
-        self.staging.stage_matmul(columns_by_batch, out_grad, lookup)
-        self._after_staging()
+        self._hand_over(self.staging.stage_matmul, columns_by_batch, out_grad, lookup)
 
     def stage_lookup(self, lookup_rows: torch.Tensor, lookup_ids: torch.Tensor) -> None:
-        self._before_staging()
-        self.staging.stage_lookup(lookup_rows, lookup_ids)
-        self._after_staging()
+        self._hand_over(self.staging.stage_lookup, lookup_rows, lookup_ids)
 
     def stage_columns(self, columns_by_out: torch.Tensor) -> None:
+        self._hand_over(self.staging.stage_columns, columns_by_out)
+
+    def _hand_over(self, stage, *gradient) -> None:
+        started = time.perf_counter()
         self._before_staging()
-        self.staging.stage_columns(columns_by_out)
+        stage(*gradient)
         self._after_staging()
+        self.hand_over_s += time.perf_counter() - started
 
     # The step's gradient.
 
