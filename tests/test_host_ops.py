@@ -289,3 +289,40 @@ def test_a_step_in_two_device_calls_keeps_the_buffers_of_each():
         if i in INSIDE_A_WINDOW[1:]:
             made.append(mode.made)
     assert all(m["empty"] == 0 and m == made[0] for m in made), made
+
+
+class ForeachCalls(TorchDispatchMode):
+    """Records each multi-tensor operation's name and the number of tensors in its first list."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name.startswith("_foreach_"):
+            self.calls.append((name, len(args[0])))
+        return func(*args, **(kwargs or {}))
+
+
+# The device update's AdamW element operations (the moments, the denominators, the masters).
+ADAMW_ELEMENT_OPS = ("_foreach_lerp_", "_foreach_addcmul_", "_foreach_sqrt_", "_foreach_sub_")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_device_update_runs_over_a_block_per_width_whatever_the_layers(dtype):
+    """The device update's AdamW operations take the weights' selected rows as one block per
+    row width, and the 1-D parameters as another (here every row is 32 wide: two tensors), for
+    4 layers as for 10; only the copies into and out of the blocks take a tensor per weight or
+    bias. Before: every operation took a tensor per weight and per bias (8 and 20)."""
+    for layers in (4, 10):
+        compiled, opt = training(layers, True, dtype=dtype)
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0)).to(dtype)
+        for _ in range(max(INSIDE_A_WINDOW) + 1):
+            compiled(x).float().square().mean().backward()
+            with ForeachCalls() as mode:
+                opt.step()
+                opt.zero_grad()
+        element_ops = [(name, n) for name, n in mode.calls if name in ADAMW_ELEMENT_OPS]
+        assert sorted(name for name, _ in element_ops) == sorted(ADAMW_ELEMENT_OPS)
+        assert {n for _, n in element_ops} == {2}, (layers, element_ops)

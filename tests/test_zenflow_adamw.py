@@ -99,6 +99,48 @@ def test_a_16_bit_model_equals_reference_across_overlapped_select_boundaries():
     assert opt.stats()["reselections"] == oracle.reselections == 4
 
 
+class _SometimesUsed(torch.nn.Module):
+    """Two branches into one head: ``sometimes`` (a weight and a bias) takes part only in the
+    steps that ask for it, and gets no gradient in the others."""
+
+    def __init__(self):
+        super().__init__()
+        self.always = torch.nn.Linear(6, 16)
+        self.sometimes = torch.nn.Linear(6, 16)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x, use_both: bool):
+        hidden = self.always(x)
+        if use_both:
+            hidden = hidden + self.sometimes(x)
+        return self.head(torch.tanh(hidden))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_weight_without_a_gradient_in_some_steps_equals_reference(compiled):
+    """The device update steps the rows of whichever parameters got a gradient; here the set
+    changes every other step (the update's rows are packed for the set it steps, and packed
+    again when the set changes), and the one left out keeps its state meanwhile."""
+    torch.manual_seed(0)
+    model = _SometimesUsed()
+    oracle_model = _SometimesUsed()
+    oracle_model.load_state_dict(model.state_dict())
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **SETTINGS)
+    oracle = ReferenceZenFlowAdamW(oracle_model.parameters(), **SETTINGS)
+    forward = (
+        torch.compile(model, backend="zenflow", options={"inner": "eager"}) if compiled else model
+    )
+    for step, (inputs, targets) in enumerate(batches("mlp", 12)):
+        for m, o in ((forward, opt), (oracle_model, oracle)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(inputs, step % 3 != 1), targets).backward()
+            o.step()
+        assert_close(
+            list(model.parameters()), list(oracle_model.parameters()), rtol=1e-5, atol=1e-6
+        )
+    assert opt.stats()["reselections"] == oracle.reselections > 0
+
+
 def test_a_state_dict_of_an_unknown_format_is_refused_by_its_version():
     model = build("mlp")
     opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **SETTINGS)

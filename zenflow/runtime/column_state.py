@@ -31,7 +31,8 @@ class ColumnState:
     """Owns the host rows (``host_master``, ``host_exp_avg``, ``host_exp_avg_sq``: ``[block
     rows, out]`` fp32; ``host_steps``: ``[block rows]`` int64) and the device rows
     (``device_*``: ``[k, out]`` fp32 and ``[k]`` int64 on ``device``: the parameter's, or the
-    host's with ``offload``), and the host rows'
+    host's with ``offload``; views of the device update's blocks once it packed them), and the
+    host rows'
     moves a reselection left for later (``unsettled``: the migration and the leaving columns'
     rows on their way to the host, and their places there); waits for those through the
     optimizer's ``sync``."""
@@ -66,6 +67,11 @@ class ColumnState:
 
     def device_rows(self) -> list[torch.Tensor]:
         return [self.device_master, self.device_exp_avg, self.device_exp_avg_sq, self.device_steps]
+
+    def bind_device_rows(self, rows: list[torch.Tensor]) -> None:
+        """Take ``rows`` (the device rows' values, kept elsewhere: views of the device update's
+        packed blocks, ``zenflow.runtime.packed_rows``) as the device rows."""
+        self.device_master, self.device_exp_avg, self.device_exp_avg_sq, self.device_steps = rows
 
     def unselected(self, layout: ColumnLayout) -> list[torch.Tensor]:
         """Views of the host rows of this rank's unselected columns (what a CPU update

@@ -26,6 +26,7 @@ from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.migration import EnteringRows, LeavingRows
 from zenflow.runtime.nonfinite import clip_coefficient
 from zenflow.runtime.owned_weight import OwnedWeight, QueuedReselection
+from zenflow.runtime.packed_rows import PackedRows, packed
 from zenflow.runtime.param_writes import ColumnValues, write_columns
 from zenflow.runtime.pending_update import CopyBuffers, UpdateEntry
 from zenflow.runtime.selective_step import (
@@ -38,7 +39,7 @@ from zenflow.runtime.side_by_side import indices_by
 from zenflow.runtime.staging.base import squared_norm_totals
 from zenflow.runtime.staging.contributions import DeviceRows, Factors, HostRows, as_tensor
 from zenflow.runtime.streams import copy_stream
-from zenflow.runtime.vector_state import VectorState, fp32_gradients
+from zenflow.runtime.vector_state import VectorState
 from zenflow.runtime.window_sum import add_device_rows
 from zenflow.runtime.window_updates import WindowUpdates
 from zenflow.settings import ZenFlowSettings
@@ -144,6 +145,9 @@ class Conductor:
         self._energy_terms: dict[OwnedWeight, list[float]] = {}
         # (what, param group, device) -> the 0-d lr or clip coefficient of the device update.
         self._scalars: dict[tuple, torch.Tensor] = {}
+        # (param group, device, "owned" or "vectors") -> the device update's rows of that
+        # kind, packed by width (``zenflow.runtime.packed_rows``).
+        self._packs: dict[tuple, PackedRows] = {}
 
     @property
     def step_backend(self) -> str:
@@ -435,7 +439,6 @@ class Conductor:
                 hyper["beta2"],
                 hyper["eps"],
                 hyper["weight_decay"],
-                [None] * len(rows),
             )
         return queued, sent
 
@@ -480,20 +483,34 @@ class Conductor:
             scale = None
             if coefficient != 1.0:
                 scale = self._device_scalar(role, group_index, device, coefficient)
+            packs = [
+                (packed(self._packs, (group_index, device, kind), states), gradients)
+                for kind, states, gradients in (
+                    ("owned", [w.state for w in rows], [w.staging.selected_rows() for w in rows]),
+                    ("vectors", vecs, [v.gradient_row() for v in vecs]),
+                )
+                if states
+            ]
             copies = [w.selected_copy() for w in rows]
+            written = [
+                (c, w.state.device_master)
+                for c, w in zip(copies, rows, strict=True)
+                if c is not None
+            ]
+            written += [(v.param.data.view(1, -1), v.master) for v in vecs]
             self._device_step(
-                [w.state.device_master for w in rows] + [v.master for v in vecs],
-                [w.state.device_exp_avg for w in rows] + [v.exp_avg for v in vecs],
-                [w.state.device_exp_avg_sq for w in rows] + [v.exp_avg_sq for v in vecs],
-                [w.state.device_steps for w in rows] + [v.steps for v in vecs],
-                [w.staging.selected_rows() for w in rows] + fp32_gradients(vecs),
+                [block for pack, _ in packs for block in pack.masters],
+                [block for pack, _ in packs for block in pack.exp_avgs],
+                [block for pack, _ in packs for block in pack.exp_avg_sqs],
+                [block for pack, _ in packs for block in pack.steps],
+                [block for pack, gradients in packs for block in pack.gradients_of(gradients)],
                 self._device_scalar("lr", group_index, device, hyper["lr"]),
                 scale,
                 hyper["beta1"],
                 hyper["beta2"],
                 hyper["eps"],
                 hyper["weight_decay"],
-                copies + [v.param.data.view(1, -1) for v in vecs],
+                tuple(list(part) for part in zip(*written, strict=True)) if written else None,
                 self._buffers_of(group_index, device, role),
             )
             for w, copied in zip(rows, copies, strict=True):

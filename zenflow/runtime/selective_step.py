@@ -11,11 +11,13 @@ graph and recompile it. So is ``coefficient`` (a clip factor, or a window's mean
 a step whose gradients are used as they are (no clipping: most steps), which then makes no
 scaled copy of them: outside the compiled loop, so that one graph serves both.
 
-``destinations``: where each updated master is copied in the same pass (in the destination's
-dtype): a 1-D parameter's view, or a 16-bit weight's ``OwnedWeight.selected_copy()`` (its
-selected rows are columns of its row-major parameter: ``zenflow.runtime.param_writes`` writes
-them from that copy after the step); None copies nothing (an fp32 weight's rows are written
-from the master itself).
+``written``: (destinations, sources) pairs, each updated master (a source: a member's rows,
+where the lists hold packed blocks, ``zenflow.runtime.packed_rows``) copied into its
+destination in the destination's dtype after the update: a 1-D parameter's view, or a 16-bit
+weight's ``OwnedWeight.selected_copy()`` (its selected rows are columns of its row-major
+parameter: ``zenflow.runtime.param_writes`` writes them from that copy after the step); an fp32
+weight's rows are written from the master itself. The copy is one multi-tensor op outside the
+compiled loop, whose inputs then share no memory.
 """
 
 import functools
@@ -140,7 +142,6 @@ def adamw_elements_(
     beta1: float,
     beta2: float,
     eps: float,
-    destinations: list[torch.Tensor | None],
 ) -> None:
     """The element loop of AdamW, given the rows' constants, scratch for the denominators and
     updates or None, and the blocks the constants scale (None: ``denoms`` and ``updates``
@@ -158,9 +159,6 @@ def adamw_elements_(
     torch._foreach_mul_(updates if scaled_updates is None else scaled_updates, step_sizes)
     torch._foreach_div_(updates, denoms)
     torch._foreach_sub_(masters, updates)
-    written = [(d, m) for d, m in zip(destinations, masters, strict=True) if d is not None]
-    if written:
-        torch._foreach_copy_(*(list(part) for part in zip(*written, strict=True)))
 
 
 def _copied(tensors: list[torch.Tensor], scratch: list[torch.Tensor] | None):
@@ -183,7 +181,7 @@ def selective_adamw_(
     beta2: float,
     eps: float,
     weight_decay: float,
-    destinations: list[torch.Tensor | None],
+    written: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
     buffers: StepBuffers | None = None,
     *,
     elements=adamw_elements_,
@@ -211,8 +209,9 @@ def selective_adamw_(
         beta1,
         beta2,
         eps,
-        destinations,
     )
+    if written is not None and written[0]:
+        torch._foreach_copy_(*written)
 
 
 STEP_BACKENDS = ("auto", "inductor", "eager")

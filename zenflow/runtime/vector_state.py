@@ -1,6 +1,6 @@
 """A 1-D parameter's AdamW state: fp32 on its device, updated every step."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -8,8 +8,8 @@ import torch
 @dataclass
 class VectorState:
     """Owns one 1-D parameter's fp32 master value, moments (one row each, ``[1, n]``) and step
-    count (``[1]``), beside the parameter on its device, and for a 16-bit parameter the fp32
-    copy of its gradient that the step reads (``fp32_gradients``), kept from step to step."""
+    count (``[1]``), beside the parameter on its device (views of the device update's blocks
+    once it packed them: ``zenflow.runtime.packed_rows``)."""
 
     param: torch.Tensor
     group_index: int
@@ -17,7 +17,6 @@ class VectorState:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     steps: torch.Tensor
-    _gradient_copy: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, param: torch.Tensor, group_index: int) -> "VectorState":
@@ -30,32 +29,17 @@ class VectorState:
     def tensors(self) -> list[torch.Tensor]:
         return [self.master, self.exp_avg, self.exp_avg_sq, self.steps]
 
-    def gradient_copy(self) -> torch.Tensor:
-        """The kept fp32 row a 16-bit gradient is converted into."""
-        if self._gradient_copy is None:
-            self._gradient_copy = torch.empty_like(self.master)
-        return self._gradient_copy
+    def device_rows(self) -> list[torch.Tensor]:
+        return self.tensors()
+
+    def bind_device_rows(self, rows: list[torch.Tensor]) -> None:
+        """Take ``rows`` (the same values, kept elsewhere) as this state."""
+        self.master, self.exp_avg, self.exp_avg_sq, self.steps = rows
+
+    def gradient_row(self) -> torch.Tensor:
+        """The parameter's gradient as one row ``[1, n]`` (its dtype)."""
+        return self.param.grad.reshape(1, -1)
 
     def load(self, saved: list[torch.Tensor]) -> None:
         for mine, theirs in zip(self.tensors(), saved, strict=True):
             mine.copy_(theirs)
-
-
-def fp32_gradients(vectors: list[VectorState]) -> list[torch.Tensor]:
-    """Each vector's gradient as an fp32 row ``[1, n]``: an fp32 one as it is, the others
-    converted into copies the vectors keep, all of them in one multi-tensor copy (a model has
-    a few hundred biases and norms: a conversion each would be as many kernel launches on a
-    GPU)."""
-    rows, copies, converted = [], [], []
-    for v in vectors:
-        grad = v.param.grad.reshape(1, -1)
-        if grad.dtype == torch.float32:
-            rows.append(grad)
-            continue
-        copy = v.gradient_copy()
-        rows.append(copy)
-        copies.append(copy)
-        converted.append(grad)
-    if copies:
-        torch._foreach_copy_(copies, converted)
-    return rows
