@@ -131,6 +131,13 @@ def _args(argv=None):
         'zenflow options={"inner": "eager"}, adamw aot_eager (--quick)',
     )
     parser.add_argument(
+        "--step-backend",
+        choices=("auto", "inductor", "eager"),
+        default=None,
+        help="zenflow rows' device update (ZenFlowAdamW's step_backend): auto (default: eager on "
+        "a GPU), inductor; eager with --inner eager",
+    )
+    parser.add_argument(
         "--ds-torch-adam",
         action="store_true",
         help="DeepSpeed: torch's Adam on the CPU instead of DeepSpeedCPUAdam (no JIT build)",
@@ -216,9 +223,9 @@ class _ZenFlow(_Runner):
         if peer == "zenflow-offload":
             settings = dict(topk_ratio=0.0, update_interval=1, select_interval=1)
         self.settings = settings
-        # The default step backend (eager on a GPU, Inductor on the CPU), unless the whole run
-        # is eager (--inner eager: debugging, and the CPU smoke run).
-        step_backend = "auto" if args.inner == "inductor" else "eager"
+        # The default step backend (eager on a GPU, Inductor on the CPU), unless asked for or
+        # the whole run is eager (--inner eager: debugging, and the CPU smoke run).
+        step_backend = args.step_backend or ("auto" if args.inner == "inductor" else "eager")
         self.opt = zenflow.ZenFlowAdamW(
             model.parameters(), **HYPER, step_backend=step_backend, **settings
         )
@@ -626,6 +633,8 @@ def _worker(args, peer: str) -> int:
         kind = _DeepSpeed if peer.startswith("ds-") else _AdamW if peer == "adamw" else _ZenFlow
         runner = kind(peer, model, args)
         record["settings"] = runner.settings
+        if isinstance(runner, _ZenFlow):
+            record["settings"] = {**runner.settings, "step_backend": runner.opt.step_backend}
         warmup = args.warmup
         if warmup is None:
             # DeepSpeed's ZenFlow starts its CPU optimizer's worker at its first window close
