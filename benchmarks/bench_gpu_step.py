@@ -222,13 +222,13 @@ class _ZenFlow(_Runner):
             settings["accumulate_on_device"] = False
         if peer == "zenflow-offload":
             settings = dict(topk_ratio=0.0, update_interval=1, select_interval=1)
-        self.settings = settings
         # The default step backend (eager on a GPU, Inductor on the CPU), unless asked for or
         # the whole run is eager (--inner eager: debugging, and the CPU smoke run).
         step_backend = args.step_backend or ("auto" if args.inner == "inductor" else "eager")
         self.opt = zenflow.ZenFlowAdamW(
             model.parameters(), **HYPER, step_backend=step_backend, **settings
         )
+        self.settings = {**settings, "step_backend": self.opt.step_backend}
         self.model = torch.compile(model, backend="zenflow", options={"inner": args.inner})
 
     def forward(self, x, y):
@@ -633,8 +633,6 @@ def _worker(args, peer: str) -> int:
         kind = _DeepSpeed if peer.startswith("ds-") else _AdamW if peer == "adamw" else _ZenFlow
         runner = kind(peer, model, args)
         record["settings"] = runner.settings
-        if isinstance(runner, _ZenFlow):
-            record["settings"] = {**runner.settings, "step_backend": runner.opt.step_backend}
         warmup = args.warmup
         if warmup is None:
             # DeepSpeed's ZenFlow starts its CPU optimizer's worker at its first window close
