@@ -10,6 +10,7 @@ from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.gradient_rows import FACTOR_RATIO
 from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.owned_weight import OwnedWeight
+from zenflow.runtime.staging import ProductBlocks
 from zenflow.runtime.staging import base as staging_base
 from zenflow.runtime.staging.contributions import Factors, HostRows, as_tensor
 from zenflow.runtime.streams import CopyStream
@@ -127,15 +128,18 @@ def test_one_process_on_the_cpu_forms_the_rows_in_the_host_block(form, monkeypat
     assert len(blocks) == 1
 
 
-@pytest.mark.parametrize("device_sums", [False, True])
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize(
+    "form, device_sums",
+    [(form, False) for form in FORMS] + [(form, True) for form in FORMS if form != "matmul"],
+)
 def test_rows_are_gathered_by_the_order_only_where_they_are_staged_as_one_tensor(
     form, device_sums, monkeypatch
 ):
     """Before the first selection (and with topk 0, always) the rows' order is the gradient's
     own: they are formed with no index to gather by. After a selection a host block (one
     process on the CPU) still takes them in natural order; rows staged as one tensor are formed
-    in the layout's order."""
+    in the layout's order (a product with device-side sums is put in order at the step:
+    ``test_products_with_device_side_sums_are_put_in_order_together``)."""
     calls = record_row_forming(monkeypatch)
     w = owned_weight(device_sums, selected=None)
     x, dy = torch.randn(16, COLUMNS), torch.randn(16, OUT)
@@ -150,6 +154,49 @@ def test_rows_are_gathered_by_the_order_only_where_they_are_staged_as_one_tensor
         assert torch.equal(args[-1], w.layout.order())
     else:
         assert args[-1] is None
+
+
+def test_products_with_device_side_sums_are_put_in_order_together(monkeypatch):
+    """Weights of one width share a block: the backward writes each one's product there in
+    natural column order (no row is gathered at the hand-over), and the first read of any of
+    them puts every pending weight's rows in its layout's order. A weight whose gradient is
+    dropped meanwhile is left out; one that joins later gets a region of its own; a second
+    micro-batch adds into the rows of the first."""
+    products = ProductBlocks()
+    g = torch.Generator().manual_seed(3)
+
+    def weight(selected):
+        param = torch.nn.Parameter(torch.randn(OUT, COLUMNS, generator=g))
+        sync = HostSync()
+        w = OwnedWeight(
+            param, 0, DataParallel(), offload=False, device_sums=True, sync=sync, products=products
+        )
+        w.reselect(torch.tensor(selected))
+        return w
+
+    def stage(w):
+        x, dy = torch.randn(8, COLUMNS, generator=g), torch.randn(8, OUT, generator=g)
+        w.stage_matmul(x.t(), dy)
+        return (x.t() @ dy)[w.layout.order()]
+
+    calls = record_row_forming(monkeypatch)
+    first, dropped, late = weight(SELECTED), weight((0, 1, 2, 39)), None
+    for _ in range(2):
+        expected = stage(first)
+        stage(dropped)
+        dropped.discard_gradient()
+        if late is None:
+            late = weight((5, 6, 7, 8))
+        expected_late = stage(late)
+        assert calls == []
+        assert_close(torch.cat(selected_and_unselected(late)), expected_late)
+        assert_close(torch.cat(selected_and_unselected(first)), expected)
+        first.discard_gradient()
+        late.discard_gradient()
+    total = stage(first)
+    total += stage(first)  # the second micro-batch
+    first.staging.finish()
+    assert_close(torch.cat(selected_and_unselected(first)), total)
 
 
 @pytest.mark.parametrize("selected", [SELECTED, "reselected"])

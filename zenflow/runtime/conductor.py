@@ -36,6 +36,7 @@ from zenflow.runtime.selective_step import (
     step_backend_for,
 )
 from zenflow.runtime.side_by_side import indices_by
+from zenflow.runtime.staging import ProductBlocks
 from zenflow.runtime.staging.base import squared_norm_totals
 from zenflow.runtime.staging.contributions import DeviceRows, Factors, HostRows, as_tensor
 from zenflow.runtime.streams import copy_stream
@@ -110,6 +111,7 @@ class Conductor:
         self.device_sums = _device_sums(param_groups, settings, comm)
         self.weights: list[OwnedWeight] = []
         self.vectors: list[VectorState] = []
+        products = ProductBlocks()
         for group_index, group in enumerate(param_groups):
             for p in group["params"]:
                 if not p.requires_grad:
@@ -124,6 +126,7 @@ class Conductor:
                             device_sums=self.device_sums.on,
                             sync=self.sync,
                             before_norms=self._before_norms,
+                            products=products,
                         )
                     )
                 else:

@@ -24,7 +24,7 @@ from zenflow.runtime.layout import ColumnLayout, Migration
 from zenflow.runtime.migration import EnteringRows, LeavingRows
 from zenflow.runtime.param_writes import ColumnValues, write_columns
 from zenflow.runtime.staged_gradient import StagedGradient
-from zenflow.runtime.staging import staging_for
+from zenflow.runtime.staging import ProductBlocks, staging_for
 from zenflow.runtime.streams import PendingCopy, copy_stream
 from zenflow.runtime.window_sum import WindowSum
 
@@ -38,7 +38,8 @@ class OwnedWeight:
     seconds over its life: on a GPU the backward's share that is zenflow's, unprofiled).
     ``offload``: the selected columns' state lives on the host, and is
     updated there; ``device_sums``: the window's sum is kept on the weight's device; ``sync``:
-    the optimizer's counted waits for the device."""
+    the optimizer's counted waits for the device; ``products``: the blocks a step's first
+    products of the optimizer's weights with device-side sums share."""
 
     def __init__(
         self,
@@ -50,6 +51,7 @@ class OwnedWeight:
         device_sums: bool,
         sync: HostSync,
         before_norms=lambda: None,
+        products: ProductBlocks | None = None,
     ):
         self.param = param
         self.sync = sync
@@ -74,6 +76,7 @@ class OwnedWeight:
             offload=offload,
             accumulate_on_device=device_sums,
             sync=sync,
+            products=products,
         )
         self.state = ColumnState(param, self.layout, offload, self.pin, sync)
         self.window = WindowSum(param.device if device_sums else torch.device("cpu"))

@@ -23,10 +23,11 @@ from zenflow.runtime.staging.base import Staging
 from zenflow.runtime.staging.copy_stream import CopyStreamStaging
 from zenflow.runtime.staging.device_sum import DeviceSumStaging
 from zenflow.runtime.staging.host_block import HostBlockStaging
+from zenflow.runtime.staging.product_blocks import ProductBlocks
 from zenflow.runtime.staging.reduce_at_step import ReduceAtStepStaging
 from zenflow.runtime.staging.reduce_scatter import ReduceScatterStaging
 
-__all__ = ["Staging", "staging_for"]
+__all__ = ["ProductBlocks", "Staging", "staging_for"]
 
 _copy_stream_for_cpu_weights = False
 
@@ -40,8 +41,10 @@ def staging_for(
     offload: bool,
     accumulate_on_device: bool,
     sync: HostSync,
+    products: ProductBlocks | None = None,
 ) -> Staging:
-    """The strategy for ``param`` (see the table in the module docstring)."""
+    """The strategy for ``param`` (see the table in the module docstring). ``products``: the
+    blocks the optimizer's weights with device-side sums share (a new one where not given)."""
     if accumulate_on_device and comm.world_size > 1:
         raise ValueError(
             "accumulate_on_device needs a single process: with several ranks the window's "
@@ -56,6 +59,9 @@ def staging_for(
     else:
         strategy = CopyStreamStaging
     out = param.shape[0]
+    if strategy is DeviceSumStaging:
+        products = ProductBlocks() if products is None else products
+        return strategy(layout, out, param.device, comm, pin, offload, sync, products=products)
     return strategy(layout, out, param.device, comm, pin, offload, sync)
 
 

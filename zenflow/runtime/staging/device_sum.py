@@ -2,7 +2,10 @@
 
 The unselected rows stay on the weight's device in fp32 (summed over micro-batches) and are
 added into the window's sum there; only each window's sum crosses to the host. A sum over ranks
-would need its own reduction, so this strategy takes one rank.
+would need its own reduction, so this strategy takes one rank. A step's first product of the
+weight goes into a block it shares with the optimizer's other weights of its width
+(``zenflow.runtime.staging.product_blocks``), which puts the rows in order for all of them at
+the step.
 """
 
 import torch
@@ -10,19 +13,57 @@ import torch
 from zenflow.runtime.staging.base import squared_norm_totals
 from zenflow.runtime.staging.contributions import DeviceRows
 from zenflow.runtime.staging.ordered import OrderedStaging
+from zenflow.runtime.staging.product_blocks import ProductBlocks
 
 
 class DeviceSumStaging(OrderedStaging):
-    """Owns the step's unselected rows on the device (fp32, host row order)."""
+    """Owns the step's unselected rows on the device (fp32, host row order), and whether its
+    first product waits in the optimizer's ``products`` blocks for its rows to be put in order
+    (``_in_products``)."""
 
     # The rows stay on the device until the step: the step's norm is taken from them for every
     # weight at once (``norm_parts``), and the columns' scores only where a selection or the
     # "auto" rule asks for them, not for each weight in every backward.
     scores_at_staging = False
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, products: ProductBlocks, **kwargs):
         super().__init__(*args, **kwargs)
+        self.products = products
+        self._in_products = False
         self._unselected: torch.Tensor | None = None
+
+    def stage_matmul(self, columns_by_batch, out_grad, lookup=None) -> None:
+        if lookup is not None or self.staged:
+            super().stage_matmul(columns_by_batch, out_grad, lookup)
+            return
+        rows = self.products.region(
+            self, self.layout.columns, self.out, columns_by_batch.dtype, columns_by_batch.device
+        )
+        torch.mm(columns_by_batch, out_grad, out=rows)
+        self._in_products = True
+        self.micro_batches = 1
+
+    def take_product_rows(self, rows: torch.Tensor) -> None:
+        """This step's first product's rows, in the layout's order, fp32 (from ``products``)."""
+        self._in_products = False
+        self.stage_parts(rows, first=True)
+
+    def _products_taken(self) -> None:
+        """Before the rows are read or added to: every weight's first product put in order."""
+        if self._in_products:
+            self.products.gather()
+
+    def stage_rows(self, rows_at, dtype: torch.dtype) -> None:
+        self._products_taken()
+        super().stage_rows(rows_at, dtype)
+
+    def finish(self) -> None:
+        self._products_taken()
+        super().finish()
+
+    def move_staged(self, migration) -> tuple[int, int]:
+        self._products_taken()
+        return super().move_staged(migration)
 
     def stage_parts(self, rows: torch.Tensor, first: bool) -> None:
         # Every row stays on the device here, so the first micro-batch's rows, in fp32, are
@@ -38,10 +79,16 @@ class DeviceSumStaging(OrderedStaging):
             self._unselected.add_(rows[k:])
 
     def host_rows(self) -> torch.Tensor:
+        self._products_taken()
         return self._unselected
 
     def norm_parts(self) -> list[torch.Tensor]:
+        self._products_taken()
         return [self._selected, self._unselected]
+
+    def selected_rows(self) -> torch.Tensor:
+        self._products_taken()
+        return super().selected_rows()
 
     def norm_sq(self) -> torch.Tensor:
         """From the rows (one multi-tensor norm), unless a selection took the scores already."""
@@ -60,9 +107,13 @@ class DeviceSumStaging(OrderedStaging):
         self._unselected = block[k_local:]
 
     def hand_over(self) -> DeviceRows:
+        self._products_taken()
         rows, self._unselected = self._unselected, None
         return DeviceRows(rows)
 
     def discard(self) -> None:
+        if self._in_products:
+            self.products.drop(self)
+            self._in_products = False
         self._unselected = None
         super().discard()
