@@ -11,6 +11,12 @@ one gather and one conversion per block.
 
 Only a step's first micro-batch of a weight goes through a block: later ones add into the
 rows the first formed (``DeviceSumStaging``), which a block's gather has to give them first.
+
+The price is memory: a block holds its weights' products (2 bytes per parameter in bf16) from
+the first of them in the backward until the step's gather, while formed one by one the
+weights' fp32 rows grew through the backward as the activations it frees shrank. Each block
+is dropped as soon as it is gathered, so the step's peak is the fp32 rows and the blocks not
+yet gathered.
 """
 
 import numpy as np
@@ -84,7 +90,6 @@ class ProductBlocks:
         block = self._blocks.get(key)
         if block is None:
             block = self._blocks[key] = _Block(dtype, device, width)
-        assert member not in block.pending, "a second product before the first was gathered"
         offset = block.offsets.get(member)
         if offset is None:
             if block.products is not None and block.pending:
