@@ -156,13 +156,16 @@ def test_rows_are_gathered_by_the_order_only_where_they_are_staged_as_one_tensor
         assert args[-1] is None
 
 
-def test_products_with_device_side_sums_are_put_in_order_together(monkeypatch):
-    """Weights of one width share a block: the backward writes each one's product there in
-    natural column order (no row is gathered at the hand-over), and the first read of any of
-    them puts every pending weight's rows in its layout's order. A weight whose gradient is
-    dropped meanwhile is left out; one that joins later gets a region of its own; a second
-    micro-batch adds into the rows of the first."""
-    products = ProductBlocks()
+@pytest.mark.parametrize("weights_per_block", [1, 2, None], ids=["1", "2", "all"])
+def test_products_with_device_side_sums_are_put_in_order_together(weights_per_block, monkeypatch):
+    """Weights of one width share blocks (as many as fit): the backward writes each one's
+    product there in natural column order (no row is gathered at the hand-over), and the first
+    read of any of them puts every pending weight's rows in its layout's order. A weight whose
+    gradient is dropped meanwhile is left out; one that joins later gets a region of its own;
+    a second micro-batch adds into the rows of the first."""
+    weight_bytes = COLUMNS * OUT * 4
+    max_bytes = 2**40 if weights_per_block is None else weights_per_block * weight_bytes
+    products = ProductBlocks(max_block_bytes=max_bytes)
     g = torch.Generator().manual_seed(3)
 
     def weight(selected):

@@ -4,19 +4,19 @@ With device-side sums a weight's rows stay on its device, in the layout's order 
 columns first) and in fp32. Formed weight by weight in the backward, that order took three
 operations per weight: the product, a gather of its rows, a conversion; on a GPU three kernel
 launches and their host time, inside the backward the device waits on. Here the backward's
-hand-over is the product alone, written in natural column order into the member's region of a
-block that every weight of one device, dtype and row width shares (as torch's own backward
-forms a weight's gradient: one product), and the step puts every member's rows in order with
-one gather and one conversion per block.
+hand-over is the product alone (as torch's own backward forms a weight's gradient), written in
+natural column order into the weight's region of a block it shares with other weights of its
+device, dtype and row width, and the step puts every weight's rows in order with one gather
+and one conversion per block.
+
+Blocks are bounded (``max_block_bytes``), and a weight joins the last block of its kind at its
+first product (the backward's order), so that each block is made when the backward reaches its
+first weight: while the backward runs, the blocks hold at most one block's bytes more than the
+bf16 products handed over so far, which is half of what the fp32 rows formed one by one held.
+Each block is dropped once gathered.
 
 Only a step's first micro-batch of a weight goes through a block: later ones add into the
 rows the first formed (``DeviceSumStaging``), which a block's gather has to give them first.
-
-The price is memory: a block holds its weights' products (2 bytes per parameter in bf16) from
-the first of them in the backward until the step's gather, while formed one by one the
-weights' fp32 rows grew through the backward as the activations it frees shrank. Each block
-is dropped as soon as it is gathered, so the step's peak is the fp32 rows and the blocks not
-yet gathered.
 """
 
 import numpy as np
@@ -24,21 +24,44 @@ import torch
 
 from zenflow.runtime.streams import sent_to
 
+# A few per model of a few hundred million parameters: a gather and a conversion each.
+MAX_BLOCK_BYTES = 64 * 2**20
+
 
 class _Block:
-    """One device, dtype and row width: each member's region (``offsets``, assigned at its
-    first product and kept), the rows they take (``rows``), this step's block of products
-    (``products``: made at the first product of a step, dropped once gathered), the members
-    whose product is in it and not yet gathered (``pending``), and the gather index of the
-    last set of pending members and their layouts."""
+    """Products of one device, dtype and row width: each member's region (``offsets``,
+    assigned at its first product and kept), the rows they take (``rows``), this step's
+    products (``products``: made at the first product of a step, dropped once gathered), the
+    members whose product is there and not yet gathered (``pending``), and the gather index
+    of the last list of members gathered and their layouts."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, width: int):
-        self.dtype, self.device, self.width = dtype, device, width
+    def __init__(self, key: tuple):
+        self.device, self.dtype, self.width = key
         self.offsets: dict = {}
         self.rows = 0
         self.products: torch.Tensor | None = None
         self.pending: list = []
         self._index_of: tuple[list, list, torch.Tensor] | None = None
+
+    def fits(self, columns: int, max_bytes: int) -> bool:
+        """Whether a member of ``columns`` rows may join (an empty block takes any)."""
+        size = (self.rows + columns) * self.width * self.dtype.itemsize
+        return self.rows == 0 or size <= max_bytes
+
+    def add(self, member, columns: int) -> None:
+        if self.pending:
+            self.gather()  # the block is made again, larger
+        self.products = None
+        self.offsets[member] = self.rows
+        self.rows += columns
+
+    def region(self, member) -> torch.Tensor:
+        if self.products is None:
+            shape = (self.rows, self.width)
+            self.products = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.pending.append(member)
+        offset = self.offsets[member]
+        return self.products[offset : offset + member.layout.columns]
 
     def index(self, members: list) -> torch.Tensor:
         """The rows of ``members``, each in its layout's order, as one gather index into the
@@ -74,12 +97,15 @@ class _Block:
 
 
 class ProductBlocks:
-    """Owns the blocks of one optimizer's device-side-sum weights, by (device, dtype, width).
-    Members: objects with a ``layout`` and ``take_product_rows(rows)`` (a weight's
+    """Owns the blocks of one optimizer's weights with device-side sums, each kind's (device,
+    dtype, row width) in the order they were made, and which block each member's product
+    goes to. Members: objects with a ``layout`` and ``take_product_rows(rows)`` (a weight's
     ``DeviceSumStaging``)."""
 
-    def __init__(self):
-        self._blocks: dict[tuple, _Block] = {}
+    def __init__(self, max_block_bytes: int = MAX_BLOCK_BYTES):
+        self.max_block_bytes = max_block_bytes
+        self._blocks: dict[tuple, list[_Block]] = {}
+        self._block_of: dict = {}  # member -> its block
 
     def region(
         self, member, columns: int, width: int, dtype: torch.dtype, device: torch.device
@@ -87,29 +113,24 @@ class ProductBlocks:
         """Where ``member``'s product (``[columns, width]``, natural column order) goes this
         step; it is pending until ``gather()`` hands its rows over."""
         key = (device, dtype, width)
-        block = self._blocks.get(key)
-        if block is None:
-            block = self._blocks[key] = _Block(dtype, device, width)
-        offset = block.offsets.get(member)
-        if offset is None:
-            if block.products is not None and block.pending:
-                block.gather()  # a new member: the block is made again, larger
-            block.products = None
-            offset = block.offsets[member] = block.rows
-            block.rows += columns
-        if block.products is None:
-            block.products = torch.empty(block.rows, width, dtype=dtype, device=device)
-        block.pending.append(member)
-        return block.products[offset : offset + columns]
+        block = self._block_of.get(member)
+        if block is None or (block.device, block.dtype, block.width) != key:
+            kind = self._blocks.setdefault(key, [])
+            if not kind or not kind[-1].fits(columns, self.max_block_bytes):
+                kind.append(_Block(key))
+            block = self._block_of[member] = kind[-1]
+            block.add(member, columns)
+        return block.region(member)
 
     def gather(self) -> None:
         """Every pending member's rows handed to it, one gather and conversion per block."""
-        for block in self._blocks.values():
-            if block.pending:
-                block.gather()
+        for kind in self._blocks.values():
+            for block in kind:
+                if block.pending:
+                    block.gather()
 
     def drop(self, member) -> None:
         """``member``'s product is not wanted (its gradient was discarded)."""
-        for block in self._blocks.values():
-            if member in block.pending:
-                block.pending.remove(member)
+        block = self._block_of.get(member)
+        if block is not None and member in block.pending:
+            block.pending.remove(member)
