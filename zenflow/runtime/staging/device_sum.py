@@ -36,9 +36,7 @@ class DeviceSumStaging(OrderedStaging):
         if lookup is not None or self.staged:
             super().stage_matmul(columns_by_batch, out_grad, lookup)
             return
-        rows = self.products.region(
-            self, self.layout.columns, self.out, columns_by_batch.dtype, columns_by_batch.device
-        )
+        rows = self.products.region(self, self.out, columns_by_batch.dtype, columns_by_batch.device)
         torch.mm(columns_by_batch, out_grad, out=rows)
         self._in_products = True
         self.micro_batches = 1
@@ -49,7 +47,8 @@ class DeviceSumStaging(OrderedStaging):
         self.stage_parts(rows, first=True)
 
     def _products_taken(self) -> None:
-        """Before the rows are read or added to: every weight's first product put in order."""
+        """Every weight's first product put in order: before a later micro-batch adds to the
+        rows, at ``finish()`` (every read comes after it) and before a migration moves them."""
         if self._in_products:
             self.products.gather()
 
@@ -79,16 +78,10 @@ class DeviceSumStaging(OrderedStaging):
             self._unselected.add_(rows[k:])
 
     def host_rows(self) -> torch.Tensor:
-        self._products_taken()
         return self._unselected
 
     def norm_parts(self) -> list[torch.Tensor]:
-        self._products_taken()
         return [self._selected, self._unselected]
-
-    def selected_rows(self) -> torch.Tensor:
-        self._products_taken()
-        return super().selected_rows()
 
     def norm_sq(self) -> torch.Tensor:
         """From the rows (one multi-tensor norm), unless a selection took the scores already."""
@@ -107,7 +100,6 @@ class DeviceSumStaging(OrderedStaging):
         self._unselected = block[k_local:]
 
     def hand_over(self) -> DeviceRows:
-        self._products_taken()
         rows, self._unselected = self._unselected, None
         return DeviceRows(rows)
 

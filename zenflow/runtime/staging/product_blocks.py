@@ -36,6 +36,7 @@ class _Block:
     of the last list of members gathered and their layouts."""
 
     def __init__(self, key: tuple):
+        self.key = key
         self.device, self.dtype, self.width = key
         self.offsets: dict = {}
         self.rows = 0
@@ -43,17 +44,17 @@ class _Block:
         self.pending: list = []
         self._index_of: tuple[list, list, torch.Tensor] | None = None
 
-    def fits(self, columns: int, max_bytes: int) -> bool:
-        """Whether a member of ``columns`` rows may join (an empty block takes any)."""
-        size = (self.rows + columns) * self.width * self.dtype.itemsize
+    def fits(self, member, max_bytes: int) -> bool:
+        """Whether ``member`` may join (an empty block takes any)."""
+        size = (self.rows + member.layout.columns) * self.width * self.dtype.itemsize
         return self.rows == 0 or size <= max_bytes
 
-    def add(self, member, columns: int) -> None:
+    def add(self, member) -> None:
         if self.pending:
             self.gather()  # the block is made again, larger
         self.products = None
         self.offsets[member] = self.rows
-        self.rows += columns
+        self.rows += member.layout.columns
 
     def region(self, member) -> torch.Tensor:
         if self.products is None:
@@ -68,12 +69,8 @@ class _Block:
         block (made on the host and sent once per list of members and their layouts)."""
         layouts = [m.layout for m in members]
         cached = self._index_of
-        if (
-            cached is not None
-            and len(cached[0]) == len(members)
-            and all(a is b for a, b in zip(cached[0], members, strict=True))
-            and all(a is b for a, b in zip(cached[1], layouts, strict=True))
-        ):
+        # Members and layouts compare by identity (neither defines equality).
+        if cached is not None and cached[0] == members and cached[1] == layouts:
             return cached[2]
         # In numpy on the host: a torch operation per member here would be a dispatch per
         # weight at every step after a reselection.
@@ -107,19 +104,18 @@ class ProductBlocks:
         self._blocks: dict[tuple, list[_Block]] = {}
         self._block_of: dict = {}  # member -> its block
 
-    def region(
-        self, member, columns: int, width: int, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """Where ``member``'s product (``[columns, width]``, natural column order) goes this
-        step; it is pending until ``gather()`` hands its rows over."""
+    def region(self, member, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Where ``member``'s product (``[columns, width]``, natural column order, a row per
+        column of its layout) goes this step; it is pending until ``gather()`` hands its rows
+        over."""
         key = (device, dtype, width)
         block = self._block_of.get(member)
-        if block is None or (block.device, block.dtype, block.width) != key:
+        if block is None or block.key != key:
             kind = self._blocks.setdefault(key, [])
-            if not kind or not kind[-1].fits(columns, self.max_block_bytes):
+            if not kind or not kind[-1].fits(member, self.max_block_bytes):
                 kind.append(_Block(key))
             block = self._block_of[member] = kind[-1]
-            block.add(member, columns)
+            block.add(member)
         return block.region(member)
 
     def gather(self) -> None:
