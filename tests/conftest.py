@@ -4,6 +4,7 @@ import contextlib
 import os
 
 import pytest
+import torch
 
 from zenflow.runtime import staging as staging_strategies
 
@@ -35,3 +36,11 @@ def copy_stream_staging():
     stream (its CPU twin, a worker thread)."""
     with _through_the_copy_stream():
         yield
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Compiles from scratch: after the suite's other tests, nn.Sequential's forward may be past
+    Dynamo's recompile limit and would silently run eagerly (a file whose tests compile uses it
+    for every test: ``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``)."""
+    torch._dynamo.reset()

@@ -12,11 +12,7 @@ from zenflow.reference import ReferenceZenFlowAdamW
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each test compiles from scratch: after the suite's other tests, nn.Sequential's forward
-    may be past Dynamo's recompile limit and would silently run eagerly."""
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 SCHEDULE = dict(topk_ratio=0.25, update_interval=2, select_interval=4)

@@ -23,6 +23,9 @@ from tests.python_process import ROOT
 INSIDE_A_WINDOW = (1, 2, 4, 5, 6)
 
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
 def _bench_host_ops():
     """``benchmarks/bench_host_ops.py``, whose count of working operations the budgets here
     are written in."""

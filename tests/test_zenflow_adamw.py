@@ -16,6 +16,8 @@ from zenflow.runtime import cpu_adam
 from zenflow.runtime.selective_step import step_backend_for
 from zenflow.runtime.streams import PendingCopy
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 SETTINGS = dict(lr=1e-2, topk_ratio=0.25, update_interval=2, select_interval=4, overlap_step=True)
 
