@@ -452,6 +452,23 @@ def test_parameter_replaced_after_initialize_is_refused(compiled):
         engine_step(engine, 1)
 
 
+def test_a_1d_parameter_given_new_memory_of_its_shape_is_updated_there():
+    """``p.data = p.data.clone()`` between steps (memory of the same shape and dtype, as
+    ``module.to(other).to(back)`` leaves it): the device update writes into the new memory,
+    and training goes on as it would have without the change."""
+    data = batches("mlp", 6)
+    models = [build("mlp"), build("mlp")]
+    opts = [ZenFlowAdamW(m.parameters(), step_backend="eager", **SETTINGS) for m in models]
+    for model, opt in zip(models, opts, strict=True):
+        train_steps(model, opt, data[:3])
+    moved = models[1][0].bias
+    moved.data = moved.data.clone()
+    for model, opt in zip(models, opts, strict=True):
+        train_steps(model, opt, data[3:])
+    assert_bitwise_equal(snapshot(models[1].state_dict()), snapshot(models[0].state_dict()))
+    assert not torch.equal(models[1][0].bias, build("mlp")[0].bias)
+
+
 def test_parameter_resized_in_place_is_refused():
     model = build("mlp")
     opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **SETTINGS)

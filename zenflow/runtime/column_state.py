@@ -68,6 +68,10 @@ class ColumnState:
     def device_rows(self) -> list[torch.Tensor]:
         return [self.device_master, self.device_exp_avg, self.device_exp_avg_sq, self.device_steps]
 
+    def gradient_shape(self) -> torch.Size:
+        """The shape of the gradient rows the device update takes: the selected rows'."""
+        return self.device_master.shape
+
     def bind_device_rows(self, rows: list[torch.Tensor]) -> None:
         """Take ``rows`` (the device rows' values, kept elsewhere: views of the device update's
         packed blocks, ``zenflow.runtime.packed_rows``) as the device rows."""

@@ -212,9 +212,13 @@ class Conductor:
             # Summed where the parts are (each device's, then the host's): one number per
             # device, not one per weight; the owned weights' apart, as ``scales`` apply to them.
             self._scores = {}
-            by_weight = [(w, w.gradient_norm_parts()) for w in owned]
-            parts = [t for _, weight_parts in by_weight for t in weight_parts or ()]
-            alone = [w.gradient_norm_sq() for w, weight_parts in by_weight if weight_parts is None]
+            parts, alone = [], []
+            for w in owned:
+                weight_parts = w.gradient_norm_parts()
+                if weight_parts is None:
+                    alone.append(w.gradient_norm_sq())
+                else:
+                    parts.extend(weight_parts)
             owned_totals = _totals_by_device(squared_norm_totals(parts) + alone)
             self._before_norms()
             grads = [v.param.grad for v in self.vectors if v.param.grad is not None]
@@ -490,17 +494,19 @@ class Conductor:
                 (packed(self._packs, (group_index, device, kind), states), gradients)
                 for kind, states, gradients in (
                     ("owned", [w.state for w in rows], [w.staging.selected_rows() for w in rows]),
-                    ("vectors", vecs, [v.gradient_row() for v in vecs]),
+                    ("vectors", vecs, [v.param.grad for v in vecs]),
                 )
                 if states
             ]
             copies = [w.selected_copy() for w in rows]
-            written = [
-                (c, w.state.device_master)
-                for c, w in zip(copies, rows, strict=True)
-                if c is not None
+            # Two lists, not a pair per tensor: the step makes as few Python objects as it
+            # can, each step (a GPT has hundreds of 1-D parameters).
+            destinations = [c for c in copies if c is not None]
+            sources = [
+                w.state.device_master for c, w in zip(copies, rows, strict=True) if c is not None
             ]
-            written += [(v.param.data.view(1, -1), v.master) for v in vecs]
+            destinations += [v.param_row() for v in vecs]
+            sources += [v.master for v in vecs]
             self._device_step(
                 [block for pack, _ in packs for block in pack.masters],
                 [block for pack, _ in packs for block in pack.exp_avgs],
@@ -513,7 +519,7 @@ class Conductor:
                 hyper["beta2"],
                 hyper["eps"],
                 hyper["weight_decay"],
-                tuple(list(part) for part in zip(*written, strict=True)) if written else None,
+                (destinations, sources) if destinations else None,
                 self._buffers_of(group_index, device, role),
             )
             for w, copied in zip(rows, copies, strict=True):

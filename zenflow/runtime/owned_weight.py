@@ -83,6 +83,9 @@ class OwnedWeight:
         # purpose -> (pinned buffer, its transfer to the device in flight), on a GPU.
         self._to_device_buffers: dict[str, tuple[torch.Tensor, PendingCopy | None]] = {}
         self._selected_copy: torch.Tensor | None = None  # see selected_copy()
+        # The last selected_values(): the same columns and rows step after step, until a
+        # reselection or a new copy buffer (one object per weight and step otherwise).
+        self._selected_values: ColumnValues | None = None
         # The one tensor object ``.grad`` holds while a gradient is staged, made at the first
         # and kept step after step (as torch reuses ``.grad`` under
         # ``zero_grad(set_to_none=False)``): one per weight and step would keep Python's
@@ -244,7 +247,10 @@ class OwnedWeight:
         assert not self.offload, "offloaded values are sent from the host: write_selected()"
         columns = self.layout.on(self.param.device, "selected")
         values = self.state.device_master.to(self.param.dtype) if copied is None else copied
-        return ColumnValues(columns, values)
+        kept = self._selected_values
+        if kept is None or kept.columns is not columns or kept.rows is not values:
+            kept = self._selected_values = ColumnValues(columns, values)
+        return kept
 
     def entering_values(
         self, queued: "QueuedReselection", sent: list[torch.Tensor]

@@ -24,10 +24,10 @@ from zenflow.runtime.side_by_side import indices_by
 class PackedRows:
     """Owns, per row width of its members, blocks of fp32 masters, first and second moments
     and gradients (``[rows, width]``) and of int64 step counts (``[rows]``), and binds its
-    members' device rows to views of them (the members: objects with ``device_rows()`` and
-    ``bind_device_rows()``, in the order given: a weight's ``ColumnState`` or a
-    ``VectorState``). The gradients' blocks are scratch the caller's gradients are copied
-    into for each update."""
+    members' device rows to views of them (the members: objects with ``device_rows()``,
+    ``bind_device_rows()`` and ``gradient_shape()``, in the order given: a weight's
+    ``ColumnState`` or a ``VectorState``). The gradients' blocks are scratch the caller's
+    gradients are copied into for each update."""
 
     def __init__(self, members: list):
         rows = [m.device_rows() for m in members]  # master, exp_avg, exp_avg_sq, steps
@@ -51,7 +51,10 @@ class PackedRows:
         for member, member_views in zip(members, views, strict=True):
             member.bind_device_rows(member_views[:4])
         self._bound = [v[0] for v in views]
-        self._gradient_views = [v[4] for v in views]
+        # Shaped like the gradients the members take, for the copy's multi-tensor kernel.
+        self._gradient_views = [
+            v[4].view(m.gradient_shape()) for m, v in zip(members, views, strict=True)
+        ]
 
     def holds(self, members: list) -> bool:
         """Exactly ``members``, in this order, each still bound to its views here (a view is
@@ -61,8 +64,9 @@ class PackedRows:
         )
 
     def gradients_of(self, gradients: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The gradient blocks holding ``gradients`` (one per member, its rows' shape, any
-        floating dtype: converted to fp32 as copied), in one multi-tensor copy."""
+        """The gradient blocks holding ``gradients`` (one per member, of its
+        ``gradient_shape()``, any floating dtype: converted to fp32 as copied), in one
+        multi-tensor copy."""
         torch._foreach_copy_(self._gradient_views, gradients)
         return self.gradients
 

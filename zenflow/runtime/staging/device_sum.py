@@ -41,10 +41,11 @@ class DeviceSumStaging(OrderedStaging):
         self._in_products = True
         self.micro_batches = 1
 
-    def take_product_rows(self, rows: torch.Tensor) -> None:
-        """This step's first product's rows, in the layout's order, fp32 (from ``products``)."""
+    def take_product_rows(self, selected: torch.Tensor, unselected: torch.Tensor) -> None:
+        """This step's first product's rows, in the layout's order, fp32, as the selected and
+        the unselected ones (from ``products``)."""
         self._in_products = False
-        self.stage_parts(rows, first=True)
+        self._selected, self._unselected = selected, unselected
 
     def _products_taken(self) -> None:
         """Every weight's first product put in order: before a later micro-batch adds to the

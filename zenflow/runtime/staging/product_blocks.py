@@ -84,20 +84,25 @@ class _Block:
         return index
 
     def gather(self) -> None:
-        """Every pending member's rows in its layout's order, fp32, handed to it."""
+        """Every pending member's rows in its layout's order, fp32, handed to it as its
+        selected and unselected rows."""
         members, self.pending = self.pending, []
         products, self.products = self.products, None
         ordered = torch.index_select(products, 0, self.index(members)).float()
-        counts = [m.layout.columns for m in members]
-        for member, rows in zip(members, ordered.split(counts), strict=True):
-            member.take_product_rows(rows)
+        # Split at once into each member's two parts, not into its rows and then again.
+        counts = []
+        for m in members:
+            counts += (m.layout.k, m.layout.columns - m.layout.k)
+        parts = ordered.split(counts)
+        for i, member in enumerate(members):
+            member.take_product_rows(parts[2 * i], parts[2 * i + 1])
 
 
 class ProductBlocks:
     """Owns the blocks of one optimizer's weights with device-side sums, each kind's (device,
     dtype, row width) in the order they were made, and which block each member's product
-    goes to. Members: objects with a ``layout`` and ``take_product_rows(rows)`` (a weight's
-    ``DeviceSumStaging``)."""
+    goes to. Members: objects with a ``layout`` and ``take_product_rows(selected,
+    unselected)`` (a weight's ``DeviceSumStaging``)."""
 
     def __init__(self, max_block_bytes: int = MAX_BLOCK_BYTES):
         self.max_block_bytes = max_block_bytes
