@@ -47,6 +47,7 @@ def training(
     select_interval: int = 8,
     dtype: torch.dtype = torch.float32,
     lr: float = 1e-3,
+    update_interval: int = 4,
 ):
     """A model of ``layers`` Linear(32, 32) compiled with zenflow and its ZenFlowAdamW, or with
     ``device_sums`` None, compiled with aot_eager (the same eager backward) and torch's AdamW.
@@ -61,7 +62,7 @@ def training(
         model.parameters(),
         lr=lr,
         topk_ratio=0.25,
-        update_interval=4,
+        update_interval=update_interval,
         select_interval=select_interval,
         overlap_step=True,
         accumulate_on_device=device_sums,
@@ -284,23 +285,7 @@ def peak_new_objects(layers: int, device_sums: bool | None, dtype: torch.dtype) 
     ordinary training step (forward, backward, ``step()``, ``zero_grad()``): the smallest
     generation-0 threshold at which such a step sets off no pass, one probe per step, on the
     steps inside the first window (update_interval 32). ``device_sums`` None: torch's AdamW."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(layers))).to(dtype)
-    if device_sums is None:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-        compiled = torch.compile(model, backend="aot_eager")
-    else:
-        opt = zenflow.ZenFlowAdamW(
-            model.parameters(),
-            lr=1e-3,
-            topk_ratio=0.25,
-            update_interval=32,
-            select_interval=64,
-            overlap_step=True,
-            accumulate_on_device=device_sums,
-            step_backend="eager",
-        )
-        compiled = torch.compile(model, backend="zenflow", options={"inner": "eager"})
+    compiled, opt = training(layers, device_sums, 64, dtype, update_interval=32)
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0)).to(dtype)
 
     def step():
