@@ -49,7 +49,11 @@ class WindowUpdates:
         the learning rate already scaled for the window)."""
         entries, sums, lasts = [], [], []
         copies = CopyBuffers(weights)
-        torch._foreach_add_([w.state.host_steps[w.layout.k_local :] for w in weights], 1)
+        unselected = [w.state.unselected(w.layout) for w in weights]
+        masters, exp_avgs, exp_avg_sqs, steps = (
+            list(part) for part in zip(*unselected, strict=True)
+        )
+        torch._foreach_add_(steps, 1)
         for w, copied in zip(weights, copies.rows, strict=True):
             if w.device_sums:
                 entries.append(UpdateEntry.of(w, copied, None, None))
@@ -67,10 +71,6 @@ class WindowUpdates:
                 [w.window for w in weights], [w.param.dtype for w in weights]
             )
             self.counters["d2h_bytes"] += sum(s.numel() * s.element_size() for s in sums)
-        unselected = [w.state.unselected(w.layout) for w in weights]
-        masters, exp_avgs, exp_avg_sqs, steps = (
-            list(part) for part in zip(*unselected, strict=True)
-        )
         common = dict(
             steps=steps,
             segment_len=[w.out for w in weights],
