@@ -31,11 +31,11 @@ class ColumnState:
     """Owns the host rows (``host_master``, ``host_exp_avg``, ``host_exp_avg_sq``: ``[block
     rows, out]`` fp32; ``host_steps``: ``[block rows]`` int64) and the device rows
     (``device_*``: ``[k, out]`` fp32 and ``[k]`` int64 on ``device``: the parameter's, or the
-    host's with ``offload``; views of the device update's blocks once it packed them), and the
-    host rows'
-    moves a reselection left for later (``unsettled``: the migration and the leaving columns'
-    rows on their way to the host, and their places there); waits for those through the
-    optimizer's ``sync``."""
+    host's with ``offload``; views of the device update's blocks once it packed them), the host
+    rows' moves a reselection left for later (``unsettled``: the migration and the leaving
+    columns' rows on their way to the host, and their places there), and the views of the
+    unselected host rows it hands a CPU update (``unselected()``); waits for the moves through
+    the optimizer's ``sync``."""
 
     def __init__(
         self,
