@@ -61,8 +61,9 @@ class ColumnState:
         self.device_exp_avg_sq = torch.empty(0, out, device=self.device)
         self.device_steps = torch.empty(0, dtype=torch.int64, device=self.device)
         self.unsettled: tuple[Migration, LeavingRows, list[int]] | None = None
-        # unselected(): its k_local, the host rows it viewed, the views.
-        self._unselected: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
+        # unselected(): its k_local and its views (of the host rows: dropped where ``load``
+        # replaces them).
+        self._unselected: tuple[int, list[torch.Tensor]] | None = None
 
     def host(self) -> list[torch.Tensor]:
         return [self.host_master, self.host_exp_avg, self.host_exp_avg_sq, self.host_steps]
@@ -84,15 +85,11 @@ class ColumnState:
         master, moments, steps), kept while the host rows and the layout's ``k_local`` are
         (four new views per weight at every window close would be Python objects that live
         through the window, each young pass of the collector moving them on)."""
-        host = self.host()
         kept = self._unselected
-        if (
-            kept is None
-            or kept[0] != layout.k_local
-            or any(a is not b for a, b in zip(kept[1], host, strict=True))
-        ):
-            kept = self._unselected = (layout.k_local, host, [t[layout.k_local :] for t in host])
-        return kept[2]
+        if kept is None or kept[0] != layout.k_local:
+            views = [t[layout.k_local :] for t in self.host()]
+            kept = self._unselected = (layout.k_local, views)
+        return kept[1]
 
     def entering(self, migration: Migration, transfer: EnteringRows) -> list[int]:
         """Queue the entering columns' rows (master, moments, steps) for the device on
@@ -138,6 +135,7 @@ class ColumnState:
         self.host_exp_avg = _on_host(exp_avg, self.pin)
         self.host_exp_avg_sq = _on_host(exp_avg_sq, self.pin)
         self.host_steps = steps.to("cpu", copy=True)
+        self._unselected = None
         moved = [t.to(self.device, copy=True) for t in device]
         self.unsettled = None
         self.device_master, self.device_exp_avg, self.device_exp_avg_sq, self.device_steps = moved
