@@ -66,6 +66,29 @@ def test_backward_graph_matches_golden(name):
     assert text == path.read_text(), f"{path} differs; review, then EXPECTTEST_ACCEPT=1 make test"
 
 
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_a_model_called_before_its_optimizer_existed_gets_the_same_graph(name):
+    """A model compiled and called before its optimizer existed (an evaluation first, or a new
+    optimizer after loading a checkpoint) gets its backward rewritten at the next call, as a
+    variant of the graph compiled first. Its graph is the one a model whose optimizer came
+    first gets: the sizes Dynamo traced as fixed stay fixed. Before: the variant was traced
+    with a symbol for every size, a graph that computed its shapes as it ran and marked them
+    on every tensor it saved for the backward."""
+    torch._dynamo.reset()
+    model = build(name)
+    graphs = []
+    options = {"inner": "eager", "on_backward": graphs.append}
+    compiled = torch.compile(model, backend="zenflow", options=options)
+    inputs, targets = batches(name, 1)[0]
+    loss_of(name, compiled, inputs, targets).backward()  # nothing to rewrite yet
+    model.zero_grad()
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager")
+    loss_of(name, compiled, inputs, targets).backward()
+    opt.zero_grad()
+    assert len(graphs) == 2
+    assert normalized(graphs[1]) == normalized(rewritten_backward(name)[2])
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_every_owned_weight_is_handed_over_once_and_its_gradient_dropped(name):
     model, opt, gm = rewritten_backward(name)

@@ -118,38 +118,80 @@ class _CompiledPerOwnership:
     ownership: another model of the same class, or an optimizer created after the first call,
     reaches the same compiled code. So the slots are checked on every call (one dictionary
     lookup per weight) and a mismatch compiles a new variant, within the Dynamo tracing context
-    of the first compile so that symbolic shapes stay symbolic.
+    of the first compile and from its inputs as Dynamo traced them (``traced_inputs``), so that
+    symbolic sizes stay symbolic and static ones static.
     """
 
     def __init__(self, gm, example_inputs, weight_inputs: list[int], inner, on_backward):
-        self.template = copy.deepcopy(gm)
-        self.example_inputs = example_inputs
+        self.template = _copied(gm)
         self.weight_inputs = weight_inputs
         self.inner = inner
         self.on_backward = on_backward
         self.tracing_context = torch._guards.TracingContext.try_get()
+        self.example_inputs = traced_inputs(example_inputs)
         key = self._key(example_inputs)
-        self.variants = {key: self._compile_variant(gm, key)}
+        self.variants = {key: self._compile_variant(gm, key, example_inputs)}
 
     def _key(self, args) -> tuple:
         from zenflow.runtime import registry
 
         return tuple(registry.slot_of(args[i]) for i in self.weight_inputs)
 
-    def _compile_variant(self, gm, key: tuple):
+    def _compile_variant(self, gm, key: tuple, example_inputs):
         slots = {
             i: slot for i, slot in zip(self.weight_inputs, key, strict=True) if slot is not None
         }
-        return _compile(gm, self.example_inputs, slots, self.inner, self.on_backward)
+        return _compile(gm, example_inputs, slots, self.inner, self.on_backward)
 
     def __call__(self, *args):
         key = self._key(args)
         variant = self.variants.get(key)
         if variant is None:
             with torch._guards.tracing(self.tracing_context):
-                variant = self._compile_variant(copy.deepcopy(self.template), key)
+                variant = self._compile_variant(_copied(self.template), key, self.example_inputs)
             self.variants[key] = variant
         return variant(*args)
+
+
+def _copied(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A deep copy of Dynamo's graph with what ``copy.deepcopy`` leaves out and AOTAutograd
+    reads to tell the weights from other inputs: the graph's map from parameters to their
+    sources and each input's source (without them a variant's partition saved the weights'
+    transposes for the backward, not the weights)."""
+    copied = copy.deepcopy(gm)
+    if hasattr(gm, "_param_name_to_source"):
+        copied._param_name_to_source = gm._param_name_to_source
+    originals, copies = (g.graph.find_nodes(op="placeholder") for g in (gm, copied))
+    for node, copy_of_node in zip(originals, copies, strict=True):
+        if hasattr(node, "_dynamo_source"):
+            copy_of_node._dynamo_source = node._dynamo_source
+    return copied
+
+
+def traced_inputs(example_inputs: list) -> list:
+    """A compile's example inputs as fake tensors of its fake mode, with the sizes Dynamo traced
+    them with (its symbolic context of each tensor), for compiling another variant later.
+
+    Dynamo forgets those contexts once a registered backend's compile returns, and AOTAutograd
+    gives a tensor it has none for a symbol for every size: a variant compiled from the real
+    inputs would take every size as dynamic (a graph that computes its shapes at run time, and
+    stamps the dynamic sizes on each tensor it saves for the backward). Fake tensors also hold
+    none of the first model's memory."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    context = torch._guards.TracingContext.try_get()
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    if context is None or fake_mode is None:
+        return list(example_inputs)
+
+    def traced(value):
+        if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor):
+            return value
+        symbolic = context.tensor_to_context.get(value)
+        source = None if symbolic is None else symbolic.tensor_source
+        return fake_mode.from_tensor(value, symbolic_context=symbolic, source=source)
+
+    return [traced(value) for value in example_inputs]
 
 
 def zenflow_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
