@@ -1,5 +1,8 @@
 """Compiled training (backend "zenflow") against the eager oracle, step for step."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -150,6 +153,33 @@ def test_a_second_model_of_the_same_class_gets_its_own_variant():
         train("mlp", torch.compile(model, backend="zenflow", options={"inner": "eager"}), opt, data)
     train("mlp", oracle_model, oracle, data)
     assert_close(list(second.parameters()), list(oracle_model.parameters()), **TOL)
+
+
+def test_a_deleted_model_is_freed_while_another_of_its_class_runs_the_graph():
+    """The compiled graph outlives the model it was first compiled for (Dynamo keeps it for the
+    class's forward); it keeps what a later variant compiles from, not that model's tensors.
+    Before: it held the first model's parameters and batch for as long as the process ran."""
+    data = batches("mlp", 2)
+
+    def trained(model):
+        opt = ZenFlowAdamW(model.parameters(), lr=1e-2, step_backend="eager", **SCHEDULE)
+        train("mlp", torch.compile(model, backend="zenflow", options={"inner": "eager"}), opt, data)
+        return opt
+
+    first = build("mlp")
+    first_weight = weakref.ref(first[0].weight)
+    first_opt = trained(first)
+    second = build("mlp")
+    second_opt = trained(second)
+    del first, first_opt
+    gc.collect()
+    assert first_weight() is None
+    train(
+        "mlp",
+        torch.compile(second, backend="zenflow", options={"inner": "eager"}),
+        second_opt,
+        data,
+    )
 
 
 def test_reselection_does_not_recompile():
