@@ -144,13 +144,16 @@ def test_optimizer_created_after_first_compiled_call_gets_a_recompiled_graph():
     assert model[0].weight.grad is None
 
 
-def test_a_second_model_of_the_same_class_gets_its_own_variant():
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_a_second_model_of_the_same_class_gets_its_own_variant(inner):
+    """The second model's variant compiles from the first compile's inputs as Dynamo traced
+    them (fake tensors): through AOTAutograd alone, and through Inductor."""
     data = batches("mlp", 6)
     first, second, oracle_model = build("mlp"), build("mlp"), build("mlp")
     oracle = ReferenceZenFlowAdamW(oracle_model.parameters(), lr=1e-2, **SCHEDULE)
     for model in (first, second):
         opt = ZenFlowAdamW(model.parameters(), lr=1e-2, step_backend="eager", **SCHEDULE)
-        train("mlp", torch.compile(model, backend="zenflow", options={"inner": "eager"}), opt, data)
+        train("mlp", torch.compile(model, backend="zenflow", options={"inner": inner}), opt, data)
     train("mlp", oracle_model, oracle, data)
     assert_close(list(second.parameters()), list(oracle_model.parameters()), **TOL)
 
