@@ -325,16 +325,19 @@ def test_an_ordinary_step_keeps_no_more_objects_alive_per_layer_than_torchs(dtyp
     few hundred microseconds, and each pass moves what is alive into older generations, whose
     full passes walk every object of a compiled model: a fraction of a second). Per extra
     layer, a step with device-side sums holds no more at its peak than the same model's step
-    with torch's AdamW (3 here: the forward's and backward's). Before: 6.6 (fp32) and 8.6
-    (bf16) per layer, from the step's view of each 1-D parameter and of its gradient, a pair
-    of them per parameter, a tuple of the norm's parts per weight, the rows split per weight
-    and then again into its two parts, and each weight's selected columns' values."""
+    with torch's AdamW (3 here: the forward's and backward's), to the measure's resolution: the
+    peaks of two steps of one kind differ by an object or two now and then (torch's step has
+    measured 2.75 per layer in a full run, 3.0 alone), a quarter over the 8 extra layers.
+    Before: 6.6 (fp32) and 8.6 (bf16) per layer, from the step's view of each 1-D parameter
+    and of its gradient, a pair of them per parameter, a tuple of the norm's parts per weight,
+    the rows split per weight and then again into its two parts, and each weight's selected
+    columns' values."""
 
     def per_layer(device_sums):
         few, many = (peak_new_objects(n, device_sums, dtype) for n in (4, 12))
         return (many - few) / 8
 
-    assert per_layer(True) <= per_layer(None)
+    assert per_layer(True) <= per_layer(None) + 0.25
 
 
 def test_a_step_in_two_device_calls_keeps_the_buffers_of_each():
