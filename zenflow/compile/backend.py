@@ -128,7 +128,7 @@ class _CompiledPerOwnership:
         self.inner = inner
         self.on_backward = on_backward
         self.tracing_context = torch._guards.TracingContext.try_get()
-        self.example_inputs = traced_inputs(example_inputs)
+        self.example_inputs = traced_inputs(example_inputs, self.tracing_context)
         key = self._key(example_inputs)
         self.variants = {key: self._compile_variant(gm, key, example_inputs)}
 
@@ -168,9 +168,10 @@ def _copied(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return copied
 
 
-def traced_inputs(example_inputs: list) -> list:
+def traced_inputs(example_inputs: list, context: "torch._guards.TracingContext | None") -> list:
     """A compile's example inputs as fake tensors of its fake mode, with the sizes Dynamo traced
-    them with (its symbolic context of each tensor), for compiling another variant later.
+    them with (``context``'s symbolic context of each tensor: the compile's tracing context),
+    for compiling another variant later.
 
     Dynamo forgets those contexts once a registered backend's compile returns, and AOTAutograd
     gives a tensor it has none for a symbol for every size: a variant compiled from the real
@@ -179,7 +180,6 @@ def traced_inputs(example_inputs: list) -> list:
     none of the first model's memory."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    context = torch._guards.TracingContext.try_get()
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
     if context is None or fake_mode is None:
         return list(example_inputs)
