@@ -124,6 +124,12 @@ def _args(argv=None):
         help="zenflow rows and ds-zenflow: the cores kept from the CPU pool (0.5, both's default)",
     )
     parser.add_argument(
+        "--no-bind-cores",
+        action="store_true",
+        help="zenflow rows: the CPU pool's workers on any core (bind_cores False), not pinned "
+        "to the cores --pt-reserved-cores-perc leaves them",
+    )
+    parser.add_argument(
         "--inner",
         choices=("inductor", "eager"),
         default=None,
@@ -222,13 +228,19 @@ class _ZenFlow(_Runner):
             settings["accumulate_on_device"] = False
         if peer == "zenflow-offload":
             settings = dict(topk_ratio=0.0, update_interval=1, select_interval=1)
+        if args.no_bind_cores:
+            settings["bind_cores"] = False
         # The default step backend (eager on a GPU, Inductor on the CPU), unless asked for or
         # the whole run is eager (--inner eager: debugging, and the CPU smoke run).
         step_backend = args.step_backend or ("auto" if args.inner == "inductor" else "eager")
         self.opt = zenflow.ZenFlowAdamW(
             model.parameters(), **HYPER, step_backend=step_backend, **settings
         )
-        self.settings = {**settings, "step_backend": self.opt.step_backend}
+        self.settings = {
+            **settings,
+            "step_backend": self.opt.step_backend,
+            "cpu_pool_cpus": self.opt.stats()["cpu_pool_cpus"],
+        }
         self.model = torch.compile(model, backend="zenflow", options={"inner": args.inner})
 
     def forward(self, x, y):

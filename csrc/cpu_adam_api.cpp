@@ -137,7 +137,7 @@ std::string check_accumulation(const TensorWork& t) {
 
 }  // namespace
 
-ZF_API int zf_abi_version() { return 9; }
+ZF_API int zf_abi_version() { return 10; }
 
 ZF_API void zf_record_sizes(int64_t* tensor_work, int64_t* hyper) {
   *tensor_work = sizeof(TensorWork);
@@ -161,6 +161,27 @@ ZF_API int zf_set_worker_nice(int nice) {
 }
 
 ZF_API int zf_get_worker_nice() { return g_pool.nice(); }
+
+// The logical CPUs the worker threads are pinned to (Linux; elsewhere accepted and ignored);
+// n == 0: none, they run on any CPU the process may use.
+ZF_API int zf_set_worker_cpus(const int* cpus, int n) {
+  if (n < 0 || (n > 0 && !cpus)) return -1;
+  std::vector<int> pinned(cpus, cpus + n);
+  for (int cpu : pinned) {
+    if (cpu < 0) return -1;
+  }
+  std::sort(pinned.begin(), pinned.end());
+  pinned.erase(std::unique(pinned.begin(), pinned.end()), pinned.end());
+  g_pool.pin(std::move(pinned));
+  return 0;
+}
+
+// Writes up to `capacity` of the pinned CPUs (ascending) into `out`; returns how many there are.
+ZF_API int zf_get_worker_cpus(int* out, int capacity) {
+  const std::vector<int> cpus = g_pool.cpus();
+  for (int i = 0; i < capacity && i < static_cast<int>(cpus.size()); ++i) out[i] = cpus[i];
+  return static_cast<int>(cpus.size());
+}
 
 ZF_API int zf_isa() { return effective_isa(); }
 

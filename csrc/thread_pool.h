@@ -51,8 +51,9 @@ class Job {
 class ThreadPool {
  public:
   // nice > 0 lowers the workers' scheduling priority (Linux niceness), so that work running
-  // beside a busy training thread yields the cores to it.
-  ThreadPool(int num_threads, int nice);
+  // beside a busy training thread yields the cores to it. cpus (Linux; empty: any the process
+  // may use) are the logical CPUs every worker is pinned to.
+  ThreadPool(int num_threads, int nice, std::vector<int> cpus);
   ~ThreadPool();  // finishes every queued job, then joins the workers
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -61,7 +62,7 @@ class ThreadPool {
   int num_threads() const { return static_cast<int>(threads_.size()); }
 
  private:
-  void worker(int nice);
+  void worker(int nice, const std::vector<int>& cpus);
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -71,9 +72,9 @@ class ThreadPool {
   std::vector<std::thread> threads_;
 };
 
-// A ThreadPool started on first use, with the size and niceness its owner sets. A forked child
-// of a process that used one starts its own: the parent's worker threads do not exist there, so
-// the parent's pool object is leaked rather than joined. Never destroyed at exit either, for the
+// A ThreadPool started on first use, with the size, niceness and CPUs its owner sets. A forked
+// child of a process that used one starts its own: the parent's worker threads do not exist
+// there, so the parent's pool object is leaked rather than joined. Never destroyed at exit either, for the
 // same reason (exit may come from a child, or while a job still runs).
 class LazyPool {
  public:
@@ -85,18 +86,22 @@ class LazyPool {
   // New settings (a negative value keeps one): waits for every queued job, and the next
   // submission starts a new pool; settings equal to the current ones change nothing.
   void configure(int num_threads, int nice);
+  void pin(std::vector<int> cpus);  // the same, for the CPUs the workers are pinned to
   int num_threads();
   int nice();
+  std::vector<int> cpus();
 
  private:
   static void before_fork();
   static void after_fork_in_parent();
   static void after_fork_in_child();
+  void restart_with(int num_threads, int nice, std::vector<int> cpus);  // holding mu_
 
   std::mutex mu_;
   ThreadPool* pool_ = nullptr;
   int num_threads_;
   int nice_;
+  std::vector<int> cpus_;
 };
 
 }  // namespace zf

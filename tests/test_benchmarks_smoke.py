@@ -110,7 +110,8 @@ def test_bench_gpu_step_quick_on_cpu(tmp_path):
     (a select cycle: two CPU updates, one reselection) and the table reports its CPU pass per
     window against the window's time, the host's time after each step's synchronization, and
     its slowest steps (timed, and of the warm-up) split into what the host knows of them; a
-    trace of a step is kept; the device update's backend is the one asked for.
+    trace of a step is kept; the device update's backend and core binding are the ones asked
+    for.
     (The zenflow-hostsum row differs only on a GPU: on the CPU "auto" keeps the sums on the
     host too.)"""
     rows = ("zenflow", "adamw")
@@ -118,6 +119,7 @@ def test_bench_gpu_step_quick_on_cpu(tmp_path):
         "bench_gpu_step.py",
         *("--device", "cpu", "--out", str(tmp_path), "--peers", ",".join(rows)),
         *("--trace-steps", "1", "--pt-reserved-cores-perc", "0.75", "--step-backend", "inductor"),
+        "--no-bind-cores",
     )
     table = (tmp_path / "bench.md").read_text()
     assert table in out
@@ -127,6 +129,8 @@ def test_bench_gpu_step_quick_on_cpu(tmp_path):
         assert f"\n| {row} | done |" in table
     zenflow_row = json.loads((tmp_path / "bench_zenflow.json").read_text())
     assert zenflow_row["settings"]["pt_reserved_cores_perc"] == 0.75
+    assert zenflow_row["settings"]["bind_cores"] is False
+    assert zenflow_row["settings"]["cpu_pool_cpus"] == []  # the pool's workers on any core
     assert zenflow_row["settings"]["step_backend"] == "inductor"  # asked for, over --quick's eager
     (work,) = [line for line in table.splitlines() if line.startswith("zenflow over the timed")]
     assert "cpu_updates 2, reselections 1" in work

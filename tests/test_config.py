@@ -151,7 +151,7 @@ BAD_CONFIGS = [
         "misspelled_zenflow_key",
         with_keys(EX, zero_optimization__zenflow__topk_ration=0.2),
         "zero_optimization.zenflow.topk_ration: unknown key (did you mean 'topk_ratio'?); allowed: "
-        "accumulate_on_device, auto_ratio, full_warm_up_rounds, max_update_interval, "
+        "accumulate_on_device, auto_ratio, bind_cores, full_warm_up_rounds, max_update_interval, "
         "min_update_interval, offload, overlap_step, pt_reserved_cores_perc, select_interval, "
         "select_strategy, steps_per_epoch, topk_ratio, update_interval",
     ),

@@ -16,7 +16,7 @@ from torch.optim.adamw import adamw as torch_adamw
 from tests.forked import result_in_forked_child
 from zenflow.cpu_adamw import CPUAdamW
 from zenflow.optimizer import ZenFlowAdamW
-from zenflow.runtime import cpu_adam
+from zenflow.runtime import core_binding, cpu_adam
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 HYPERS = [
@@ -681,22 +681,26 @@ def test_gathered_rows_reject_bad_indices(index, error, match):
 
 @pytest.fixture
 def pool_settings_restored():
-    saved = cpu_adam.get_num_threads(), cpu_adam.get_worker_nice()
+    saved = cpu_adam.get_num_threads(), cpu_adam.get_worker_nice(), cpu_adam.get_worker_cpus()
     yield
     cpu_adam.set_num_threads(saved[0])
     cpu_adam.set_worker_nice(saved[1])
+    cpu_adam.set_worker_cpus(saved[2])
 
 
 def test_a_step_uses_every_allowed_core_at_normal_priority_after_zenflow_set_the_pool(
     pool_settings_restored,
 ):
-    ZenFlowAdamW([torch.nn.Parameter(torch.randn(8, 4))], topk_ratio=0.5, update_interval=2)
+    weight = torch.nn.Parameter(torch.randn(8, 4))
+    ZenFlowAdamW([weight], topk_ratio=0.5, update_interval=2, bind_cores=True)
     assert cpu_adam.get_worker_nice() > 0  # overlapped updates run beside training
+    assert cpu_adam.get_worker_cpus() == (core_binding.pool_cpus(0.5, 1) or ())
     p = torch.nn.Parameter(torch.randn(64))
     p.grad = torch.randn(64)
     CPUAdamW([p], lr=1e-2).step()
     assert cpu_adam.get_num_threads() == cpu_adam.available_cores()
     assert cpu_adam.get_worker_nice() == 0
+    assert cpu_adam.get_worker_cpus() == ()  # not pinned to the cores zenflow's pool kept
 
 
 def test_cores_come_from_the_affinity_mask():

@@ -25,6 +25,7 @@ from tests.models import batches, build, loss_of
 from tests.zero_configs import overlapped_zenflow_zero
 from zenflow.optimizer import ZenFlowAdamW
 from zenflow.reference import ReferenceZenFlowAdamW
+from zenflow.runtime import core_binding
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.owned_weight import OwnedWeight
@@ -409,6 +410,16 @@ def test_device_sums_are_on_by_default_for_one_gpu_rank(cuda_fp32):
     _, host_sums = zenflow_run(cuda_fp32, "eager", flush=True, accumulate_on_device=False)
     assert by_default.stats()["accumulate_on_device"] is True
     assert by_default.stats()["d2h_bytes"] < host_sums.stats()["d2h_bytes"]
+
+
+def test_the_cpu_pools_workers_are_pinned_by_default_for_gpu_weights(cuda_fp32):
+    """bind_cores "auto" with the weights on a GPU: the pool's workers (for overlapped updates)
+    run on the cores pt_reserved_cores_perc leaves them, where the machine can be split."""
+    _, opt = zenflow_run(cuda_fp32, "eager", flush=False)
+    expected = core_binding.pool_cpus(0.5, 1)
+    assert opt.stats()["cpu_pool_cpus"] == list(expected or ())
+    _, unbound = zenflow_run(cuda_fp32, "eager", flush=False, bind_cores=False)
+    assert unbound.stats()["cpu_pool_cpus"] == []
 
 
 @pytest.mark.parametrize(

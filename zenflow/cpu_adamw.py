@@ -119,8 +119,9 @@ class CPUAdamW(torch.optim.Optimizer):
         handle's ``wait()`` before touching parameters or gradients, and before the next step."""
         self._check_not_in_flight("step_async()")
         self._pending = None  # waited for: its failure, if any, was raised there
-        cpu_adam.set_num_threads(self.threads)  # both no-ops when already so
+        cpu_adam.set_num_threads(self.threads)  # each a no-op when already so
         cpu_adam.set_worker_nice(0)
+        cpu_adam.set_worker_cpus(None)
         jobs = []
         for group_index, group in enumerate(self.param_groups):
             job = self._group_job(group, group_index)

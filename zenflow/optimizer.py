@@ -201,23 +201,25 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def stats(self) -> dict:
         """Counters since the optimizer was created (restored with a checkpoint):
 
-        steps (committed), selected_fraction (of the owned weights' elements, now),
-        window_steps (steps in the open window), updates_in_flight (overlapped CPU updates not
-        yet applied), host_columns (columns whose host state this rank holds), skipped_steps,
-        reselections, cpu_updates, blocking_updates (CPU updates that the step(), flush() or
-        state dict call which submitted them also waited for: warm-up steps, updates without
-        overlap_step, flushes), device_syncs (the times the training thread waited for the
-        device or read a value it computed: ``zenflow.runtime.host_sync``), d2h_bytes and h2d_bytes (staging, migration,
-        write-backs), optimizer_wait_s (the training thread blocked on the CPU pool) and its
-        share per phase, optimizer_wait_s_<phase> for ordinary, select (the first selection),
-        window_close, select_boundary, warm_up, flush and state_dict; cpu_adam_s (the CPU AdamW
-        updates' run time in the pool, overlapped or not), cpu_accumulate_s (the pool's run
-        time adding steps into the windows' host-side sums), host_after_sync_s (the training
-        thread's time in step() after each step's last synchronization with the device: on a
-        GPU the device waits for the host about that long), hand_over_s (the training thread's
-        time in the rewritten backward graphs' hand-overs of gradients to zenflow: what zenflow
-        adds to a compiled backward's host time), accumulate_on_device (whether the windows'
-        sums stay on the device).
+        steps (committed), selected_fraction (of the owned weights' elements, now), window_steps
+        (steps in the open window), updates_in_flight (overlapped CPU updates not yet applied),
+        host_columns (columns whose host state this rank holds), skipped_steps, reselections,
+        cpu_updates, blocking_updates (CPU updates that the step(), flush() or state dict call
+        which submitted them also waited for: warm-up steps, updates without overlap_step,
+        flushes), device_syncs (the times the training thread waited for the device or read a
+        value it computed: ``zenflow.runtime.host_sync``), d2h_bytes and h2d_bytes (staging,
+        migration, write-backs), optimizer_wait_s (the training thread blocked on the CPU pool)
+        and its share per phase, optimizer_wait_s_<phase> for ordinary, select (the first
+        selection), window_close, select_boundary, warm_up, flush and state_dict; cpu_adam_s
+        (the CPU AdamW updates' run time in the pool, overlapped or not), cpu_accumulate_s (the
+        pool's run time adding steps into the windows' host-side sums), host_after_sync_s (the
+        training thread's time in step() after each step's last synchronization with the device:
+        on a GPU the device waits for the host about that long), hand_over_s (the training
+        thread's time in the rewritten backward graphs' hand-overs of gradients to zenflow: what
+        zenflow adds to a compiled backward's host time), accumulate_on_device (whether the
+        windows' sums stay on the device), cpu_pool_threads and cpu_pool_cpus (the CPU pool's
+        workers for overlapped updates and the logical CPUs they are pinned to, empty where they
+        are not: ``bind_cores``).
         """
         return self._runtime.stats()
 

@@ -140,7 +140,7 @@ class ZenFlowSettings(Section):
     """
 
     extensions: ClassVar[frozenset[str]] = frozenset(
-        {"accumulate_on_device", "min_update_interval", "max_update_interval"}
+        {"accumulate_on_device", "min_update_interval", "max_update_interval", "bind_cores"}
     )
     """Fields DeepSpeed's ZenFlowConfig does not have."""
 
@@ -173,6 +173,11 @@ class ZenFlowSettings(Section):
     """Steps of full (every parameter, every step) updates before selection starts."""
     pt_reserved_cores_perc: float = Field(0.5, ge=0.0, le=1.0)
     """Share of the rank's CPU cores kept for PyTorch; the rest run the CPU AdamW."""
+    bind_cores: bool | Literal["auto"] = "auto"
+    """zenflow extension: pin the CPU AdamW's workers to the physical cores (every SMT sibling)
+    that pt_reserved_cores_perc leaves them, so that none shares a core with the training
+    thread's; False: they run on any core. "auto": where the weights are on a GPU
+    (``zenflow.runtime.core_binding``)."""
     steps_per_epoch: Int | None = Field(None, gt=0)
     """Optimizer steps per epoch; set at run time from the data loader."""
 

@@ -18,7 +18,7 @@ import time
 import torch
 
 from zenflow.columns import column_count, has_columns, select_top_columns, topk_count
-from zenflow.runtime import auto_interval, cpu_adam, schedule
+from zenflow.runtime import auto_interval, core_binding, cpu_adam, schedule
 from zenflow.runtime.comm import CollectiveError, DataParallel
 from zenflow.runtime.cpu_jobs import SUMS_QUEUED, CPUJobs
 from zenflow.runtime.device_sums import device_sums_for, sums_bytes
@@ -106,7 +106,12 @@ class Conductor:
             cpu_accumulate_s=0.0,
             host_after_sync_s=0.0,
         )
-        self.jobs = CPUJobs(settings.pt_reserved_cores_perc, self.counters)
+        self.jobs = CPUJobs(
+            settings.pt_reserved_cores_perc,
+            self.counters,
+            core_binding.binds(settings.bind_cores, _weights_device(param_groups)),
+            comm.world_size,
+        )
         self.sync = comm.sync  # the optimizer's one count, shared with its collectives
         self.device_sums = _device_sums(param_groups, settings, comm)
         self.weights: list[OwnedWeight] = []
@@ -754,6 +759,8 @@ class Conductor:
             accumulate_on_device=self.device_sums.on,
             device_syncs=self.sync.count,
             hand_over_s=sum(w.hand_over_s for w in self.weights),
+            cpu_pool_threads=self.jobs.threads,
+            cpu_pool_cpus=list(self.jobs.cpus or ()),
             **self.counters,
         )
 
@@ -769,14 +776,25 @@ class Conductor:
                 )
 
 
+def _trained(param_groups) -> list[torch.Tensor]:
+    return [p for g in param_groups for p in g["params"] if p.requires_grad]
+
+
+def _weights_device(param_groups) -> torch.device:
+    trained = _trained(param_groups)
+    return trained[0].device if trained else torch.device("cpu")
+
+
 def _device_sums(param_groups, settings: ZenFlowSettings, comm: DataParallel):
     """``accumulate_on_device`` decided for these parameters (``zenflow.runtime.device_sums``)."""
-    trained = [p for g in param_groups for p in g["params"] if p.requires_grad]
-    shapes = [(p.shape[0], column_count(p.shape)) for p in trained if has_columns(p)]
+    shapes = [(p.shape[0], column_count(p.shape)) for p in _trained(param_groups) if has_columns(p)]
     needed = sums_bytes(shapes, lambda columns: topk_count(settings.topk_ratio, columns))
-    device = trained[0].device if trained else torch.device("cpu")
     return device_sums_for(
-        settings.accumulate_on_device, device, comm.world_size, needed, offload=settings.offload
+        settings.accumulate_on_device,
+        _weights_device(param_groups),
+        comm.world_size,
+        needed,
+        offload=settings.offload,
     )
 
 

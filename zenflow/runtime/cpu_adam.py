@@ -59,9 +59,11 @@ __all__ = [
     "available_cores",
     "boundary_adamw_step",
     "get_num_threads",
+    "get_worker_cpus",
     "get_worker_nice",
     "isa",
     "set_num_threads",
+    "set_worker_cpus",
     "set_worker_nice",
     "submit_accumulate",
     "submit_adamw_step",
@@ -70,7 +72,7 @@ __all__ = [
 ]
 
 BUILD_HINT = "run `pip install -e .` (or `make install`) in the zenflow checkout to build csrc/"
-_ABI_VERSION = 9
+_ABI_VERSION = 10
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512"}
 DEFAULT_PT_RESERVED_CORES_PERC = 0.5  # ZenFlow's config default
@@ -148,6 +150,10 @@ def _load():
         lib.zf_get_num_threads.restype = c_int
         lib.zf_set_worker_nice.argtypes = [c_int]
         lib.zf_get_worker_nice.restype = c_int
+        lib.zf_set_worker_cpus.argtypes = [ctypes.POINTER(c_int), c_int]
+        lib.zf_set_worker_cpus.restype = c_int
+        lib.zf_get_worker_cpus.argtypes = [ctypes.POINTER(c_int), c_int]
+        lib.zf_get_worker_cpus.restype = c_int
         lib.zf_isa.restype = c_int
         lib.zf_set_isa.argtypes = [c_int]
         lib.zf_inject_failure.argtypes = [c_int]
@@ -241,6 +247,26 @@ def set_worker_nice(nice: int) -> None:
 
 def get_worker_nice() -> int:
     return _load().zf_get_worker_nice()
+
+
+def set_worker_cpus(cpus: Sequence[int] | None) -> None:
+    """Pins every worker thread to the logical CPUs ``cpus`` (None or empty: no pinning, any CPU
+    the process may use), for jobs submitted from now on (after queued ones finish). Linux
+    only; elsewhere a no-op. A CPU outside the process's affinity mask leaves the workers
+    unpinned."""
+    pinned = sorted({operator.index(c) for c in cpus or ()})
+    if pinned and pinned[0] < 0:
+        raise ValueError(f"CPU numbers must be >= 0, got {pinned[0]}")
+    _load().zf_set_worker_cpus((ctypes.c_int * len(pinned))(*pinned), len(pinned))
+
+
+def get_worker_cpus() -> tuple[int, ...]:
+    """The CPUs the worker threads are pinned to, ascending (empty: not pinned)."""
+    lib = _load()
+    count = lib.zf_get_worker_cpus(None, 0)
+    out = (ctypes.c_int * count)()
+    lib.zf_get_worker_cpus(out, count)
+    return tuple(out)
 
 
 def isa() -> str:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from zenflow.runtime import cpu_adam
+from zenflow.runtime import core_binding, cpu_adam
 
 # Niceness of the CPU AdamW workers while an overlapped update runs beside training: they take
 # the time the training thread leaves idle rather than competing with it for a core (its
@@ -46,15 +46,27 @@ class _QueuedSums:
 
 
 class CPUJobs:
-    """Owns the pool settings this optimizer trains with (``threads``, set from
+    """Owns the pool settings this optimizer trains with (``threads`` and ``cpus``, set from
     ``pt_reserved_cores_perc``), its queued window-sum additions, the phase its waits count
     to (``phase``, one of ``WAIT_PHASES``), and its share of ``counters`` (the timings
-    above)."""
+    above).
 
-    def __init__(self, reserved_cores_perc: float, counters: dict):
-        self.threads = cpu_adam.threads_from_reserved_cores(reserved_cores_perc)
-        cpu_adam.set_num_threads(self.threads)
-        cpu_adam.set_worker_nice(BACKGROUND_NICE)
+    With ``bind_cores`` the workers are pinned to the physical cores the share leaves this rank
+    (``zenflow.runtime.core_binding``, which also says when it leaves them unpinned), one
+    worker per logical CPU there; otherwise they run anywhere (``cpus`` None), as many as the
+    share leaves of the logical CPUs."""
+
+    def __init__(
+        self, reserved_cores_perc: float, counters: dict, bind_cores: bool, world_size: int
+    ):
+        self.cpus = None
+        if bind_cores:
+            self.cpus = core_binding.pool_cpus(reserved_cores_perc, world_size)
+        if self.cpus is None:
+            self.threads = cpu_adam.threads_from_reserved_cores(reserved_cores_perc)
+        else:
+            self.threads = len(self.cpus)
+        self._background()
         self.counters = counters
         for phase in WAIT_PHASES:
             counters.setdefault(f"optimizer_wait_s_{phase}", 0.0)
@@ -67,11 +79,17 @@ class CPUJobs:
         meanwhile, so the pool uses them too, at normal priority."""
         cpu_adam.set_num_threads(cpu_adam.available_cores())
         cpu_adam.set_worker_nice(0)
+        cpu_adam.set_worker_cpus(None)
         try:
             yield
         finally:
-            cpu_adam.set_num_threads(self.threads)
-            cpu_adam.set_worker_nice(BACKGROUND_NICE)
+            self._background()
+
+    def _background(self) -> None:
+        """The pool as overlapped updates run it, beside training."""
+        cpu_adam.set_num_threads(self.threads)
+        cpu_adam.set_worker_nice(BACKGROUND_NICE)
+        cpu_adam.set_worker_cpus(self.cpus)
 
     def wait(self, handle: cpu_adam.CPUAdamHandle) -> None:
         started = time.perf_counter()

@@ -1,0 +1,147 @@
+"""The CPU pool's workers pinned to physical cores of their own (``bind_cores``)."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.python_process import stdout_of
+from zenflow.runtime import core_binding
+
+
+def _sysfs(tmp_path, siblings: dict[int, str]):
+    """A fake /sys/devices/system/cpu: each CPU's thread_siblings_list."""
+    for cpu, text in siblings.items():
+        topology = tmp_path / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "thread_siblings_list").write_text(text + "\n")
+    return tmp_path
+
+
+def test_smt_siblings_numbered_apart_form_one_core(tmp_path):
+    # Intel's usual numbering: CPU n and n + 4 are one core's two threads.
+    sysfs = _sysfs(tmp_path, {cpu: f"{cpu % 4},{cpu % 4 + 4}" for cpu in range(8)})
+    cores = core_binding.physical_cores(set(range(8)), sysfs)
+    assert cores == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    split = core_binding.split_cores(cores, 0.5)
+    assert split == core_binding.CoreSplit(training=(0, 1, 4, 5), pool=(2, 3, 6, 7))
+
+
+def test_smt_siblings_numbered_together_and_ranges(tmp_path):
+    sysfs = _sysfs(tmp_path, {cpu: f"{cpu - cpu % 2}-{cpu - cpu % 2 + 1}" for cpu in range(6)})
+    cores = core_binding.physical_cores(set(range(6)), sysfs)
+    assert cores == [(0, 1), (2, 3), (4, 5)]
+    # A quarter of 3 cores is 0.75: one core kept for training, rounding up.
+    assert core_binding.split_cores(cores, 0.25).pool == (2, 3, 4, 5)
+
+
+def test_only_the_affinity_masks_cpus_count(tmp_path):
+    # taskset -c 2,3,6,7 on the 4-core, 8-thread machine above.
+    sysfs = _sysfs(tmp_path, {cpu: f"{cpu % 4},{cpu % 4 + 4}" for cpu in range(8)})
+    cores = core_binding.physical_cores({2, 3, 6, 7}, sysfs)
+    assert cores == [(2, 6), (3, 7)]
+    assert core_binding.split_cores(cores, 0.5) == core_binding.CoreSplit((2, 6), (3, 7))
+    # Half of a core's threads in the mask: that thread alone is the core.
+    assert core_binding.physical_cores({0, 1, 5}, sysfs) == [(0,), (1, 5)]
+
+
+def test_without_topology_every_cpu_is_a_core(tmp_path):
+    assert core_binding.physical_cores({0, 1, 2}, tmp_path) == [(0,), (1,), (2,)]
+    (tmp_path / "cpu1" / "topology").mkdir(parents=True)
+    (tmp_path / "cpu1" / "topology" / "thread_siblings_list").write_text("garbage\n")
+    assert core_binding.physical_cores({0, 1}, tmp_path) == [(0,), (1,)]
+
+
+@pytest.mark.parametrize(
+    "cores, perc, pool",
+    [
+        (10, 0.3, tuple(range(3, 10))),  # 0.3 * 10 is 3.0000000000000004 in binary: 3 kept
+        (2, 0.5, (1,)),
+        (16, 0.875, (14, 15)),
+        (4, 0.0, None),  # nothing kept for training: nothing to keep apart
+        (4, 1.0, None),  # no core left for the pool
+        (1, 0.5, None),
+    ],
+)
+def test_the_split_keeps_the_first_cores_for_training(cores, perc, pool):
+    split = core_binding.split_cores([(cpu,) for cpu in range(cores)], perc)
+    assert (None if split is None else split.pool) == pool
+    if split is not None:
+        assert sorted(split.training + split.pool) == list(range(cores))
+
+
+def test_ranks_that_may_share_an_unbound_machine_leave_their_pools_unpinned(tmp_path, monkeypatch):
+    sysfs = _sysfs(tmp_path, {cpu: str(cpu) for cpu in range(8)})
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    everything, half = set(range(8)), {4, 5, 6, 7}
+    assert core_binding.pool_cpus(0.5, 1, everything, 8, sysfs) == (4, 5, 6, 7)
+    # Several ranks, each with the whole machine: every pool would be pinned to CPUs 4-7.
+    assert core_binding.pool_cpus(0.5, 2, everything, 8, sysfs) is None
+    # A launcher that bound each rank to cores of its own: the rank's cores are split.
+    assert core_binding.pool_cpus(0.5, 2, half, 8, sysfs) == (6, 7)
+    # One rank per machine, by the launcher's word.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert core_binding.pool_cpus(0.5, 2, everything, 8, sysfs) == (4, 5, 6, 7)
+
+
+def test_auto_binds_where_the_weights_are_on_a_gpu():
+    assert core_binding.binds("auto", torch.device("cuda", 1))
+    assert not core_binding.binds("auto", torch.device("cpu"))
+    assert core_binding.binds(True, torch.device("cpu"))
+    assert not core_binding.binds(False, torch.device("cuda"))
+
+
+def test_a_share_outside_zero_to_one_is_refused():
+    with pytest.raises(ValueError, match=r"pt_reserved_cores_perc must be in \[0, 1\], got 1.5"):
+        core_binding.split_cores([(0,), (1,)], 1.5)
+
+
+_TRAINING = """
+import json, os, sys, torch, zenflow
+
+two = sorted(os.sched_getaffinity(0))[:2]
+os.sched_setaffinity(0, two)
+torch.manual_seed(0)
+model = torch.nn.Linear(16, 8)
+bind = {"on": True, "off": False, "auto": "auto"}[sys.argv[1]]
+opt = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.5, update_interval=2,
+                           select_interval=4, overlap_step=True, bind_cores=bind)
+for _ in range(6):
+    model(torch.randn(4, 16)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+def allowed(tid):
+    return sorted(os.sched_getaffinity(int(tid)))
+
+workers = [allowed(t) for t in os.listdir("/proc/self/task")
+           if open(f"/proc/self/task/{t}/comm").read().strip() == "zenflow-adamw"]
+stats = opt.stats()
+print(json.dumps(dict(
+    two=two, workers=workers, training=allowed(os.getpid()),
+    threads=stats["cpu_pool_threads"], cpus=stats["cpu_pool_cpus"],
+    split=zenflow.runtime.core_binding.pool_cpus(0.5, 1), updates=stats["cpu_updates"],
+)))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="affinity masks are Linux's")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a split needs two CPUs")
+@pytest.mark.parametrize("bind", ["on", "off", "auto"])
+def test_the_pools_workers_run_where_stats_says(bind):
+    """On the two CPUs the process keeps (two cores, or one core's two threads): with binding
+    the workers run on the CPUs the default share leaves them and nowhere else, and the
+    training thread keeps both; without, they run anywhere, as "auto" has them for weights on
+    the CPU."""
+    seen = json.loads(stdout_of(["-c", _TRAINING, bind], timeout_s=180))
+    assert seen["updates"] > 0  # the pool ran overlapped updates
+    assert seen["training"] == seen["two"]
+    assert len(seen["workers"]) == seen["threads"] > 0
+    if bind == "on" and seen["split"] is not None:
+        assert seen["cpus"] == seen["split"] != seen["two"]
+        assert all(worker == seen["cpus"] for worker in seen["workers"])
+    else:
+        assert seen["cpus"] == []
+        assert all(worker == seen["two"] for worker in seen["workers"])
