@@ -1,19 +1,19 @@
 """The operations the training thread dispatches per weight and step: what keeps a GPU waiting.
 
-    .venv/bin/python benchmarks/bench_host_ops.py [--quick] [--layers 96] [--dtype both]
-        [--cycles 32] [--update-interval 4] [--select-interval 8] [--threads 1]
+    .venv/bin/python benchmarks/bench_host_ops.py [--quick] [--layers 96] [--width 64]
+        [--dtype both] [--cycles 32] [--update-interval 4] [--select-interval 8] [--threads 1]
 
-On a GPU every operation the host dispatches is a kernel launch (or at least a trip through
-the dispatcher), a few microseconds each: a model of many small weights, or one whose step is
-short, runs only as fast as its host thread dispatches. This counts them on the CPU, where the
-count is the same as on a GPU for the same code path (device-independent; no timing noise): a
-stack of ``--layers`` Linear(64, 64) layers, trained on a batch of 8 rows, each step's backward
-and ``step()`` + ``zero_grad()`` under torch.profiler, counting the top-level aten operations
-that do work (views, ``aten::to`` to the same dtype, and other operations that move no data are
-left out). Per weight (one weight and one bias per layer), by kind of step over one select
-cycle after warm-up (topk 0.1, update_interval 4, select_interval 8 unless given, overlap_step;
-the device step eager, as on a GPU; the GPU check's settings are update_interval 4 or 8,
-select_interval 64):
+On a GPU every operation the host dispatches is a kernel launch (or at least a trip through the
+dispatcher), a few microseconds each: a model of many small weights, or one whose step is short,
+runs only as fast as its host thread dispatches. This counts them on the CPU, where the count is
+the same as on a GPU for the same code path (device-independent; no timing noise): a stack of
+``--layers`` Linear(``--width``, ``--width``) layers, trained on a batch of 8 rows, each step's
+backward and ``step()`` + ``zero_grad()`` under torch.profiler, counting the top-level aten
+operations that do work (views, ``aten::to`` to the same dtype, and other operations that move
+no data are left out). Per weight (one weight and one bias per layer), by kind of step over one
+select cycle after warm-up (topk 0.1, update_interval 4, select_interval 8 unless given,
+overlap_step; the device step eager, as on a GPU; the GPU check's settings are update_interval 4
+or 8, select_interval 64):
 
   zenflow device sums  ZenFlowAdamW, accumulate_on_device True (what "auto" picks on one GPU)
   zenflow host sums    ZenFlowAdamW, accumulate_on_device False
@@ -87,7 +87,14 @@ COPIES = {"aten::_to_copy", "aten::copy_", "aten::clone"}
 def _args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 layers, fp32 only (smoke)")
-    parser.add_argument("--layers", type=int, default=None, help="Linear(64, 64) layers (96)")
+    parser.add_argument("--layers", type=int, default=None, help="Linear layers (96)")
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=64,
+        help="each layer's inputs and outputs (64); 16 leaves the host's dispatching and Python "
+        "nearly alone in the times, as on a GPU",
+    )
     parser.add_argument("--dtype", choices=("fp32", "bf16", "both"), default=None)
     parser.add_argument("--cycles", type=int, default=None, help="timed select cycles (32)")
     parser.add_argument("--update-interval", type=int, default=4, help="zenflow's (4)")
@@ -167,10 +174,11 @@ class Cadence:
         return [i for i in range(self.select_interval) if self.kind(i) == kind]
 
 
-def _training(name: str, layers: int, dtype: torch.dtype, cadence: Cadence):
+def _training(name: str, layers: int, width: int, dtype: torch.dtype, cadence: Cadence):
     """The row's compiled model, optimizer and batch."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(layers))).to(dtype)
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+    model = model.to(dtype)
     if name.startswith("zenflow"):
         opt = zenflow.ZenFlowAdamW(
             model.parameters(),
@@ -184,11 +192,11 @@ def _training(name: str, layers: int, dtype: torch.dtype, cadence: Cadence):
         variant = dict(fused=True) if name.endswith("fused") else dict(foreach=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **variant)
         compiled = torch.compile(model, backend="aot_eager")
-    return compiled, opt, torch.randn(8, 64, dtype=dtype)
+    return compiled, opt, torch.randn(8, width, dtype=dtype)
 
 
-def _row(name: str, layers: int, dtype: torch.dtype, cadence: Cadence):
-    compiled, opt, x = _training(name, layers, dtype, cadence)
+def _row(name: str, layers: int, width: int, dtype: torch.dtype, cadence: Cadence):
+    compiled, opt, x = _training(name, layers, width, dtype, cadence)
     activities = [torch.profiler.ProfilerActivity.CPU]
 
     def step(profiled: bool):
@@ -229,9 +237,9 @@ class _TimedRow:
     backward, ``step()`` + ``zero_grad()`` and the whole step, in seconds, and the garbage
     collector's passes during its steps."""
 
-    def __init__(self, name: str, layers: int, dtype: torch.dtype, cadence: Cadence):
+    def __init__(self, name: str, layers: int, width: int, dtype: torch.dtype, cadence: Cadence):
         self.cadence = cadence
-        self.compiled, self.opt, self.x = _training(name, layers, dtype, cadence)
+        self.compiled, self.opt, self.x = _training(name, layers, width, dtype, cadence)
         self.times: list[tuple[float, float, float]] = []
         self.after_sync: list[float] = []  # zenflow: each step's host_after_sync_s
         self.hand_overs: list[float] = []  # zenflow: each backward's hand_over_s
@@ -303,7 +311,12 @@ class _TimedRow:
 
 
 def _print_times(
-    layers: int, dtype: torch.dtype, cycles: int, rows: tuple[str, ...], cadence: Cadence
+    layers: int,
+    width: int,
+    dtype: torch.dtype,
+    cycles: int,
+    rows: tuple[str, ...],
+    cadence: Cadence,
 ) -> None:
     print(
         f"\n## {str(dtype).removeprefix('torch.')}: host time per layer (us), {cycles} select "
@@ -315,7 +328,7 @@ def _print_times(
     )
     print(header + "\n" + "-" * len(header))
     # Whole select cycles of every row in turn, so that the machine's drift reaches all alike.
-    runs = {name: _TimedRow(name, layers, dtype, cadence) for name in rows}
+    runs = {name: _TimedRow(name, layers, width, dtype, cadence) for name in rows}
     gc.collect()
     for _ in range(cycles):
         for run in runs.values():
@@ -363,7 +376,8 @@ def main(argv=None) -> None:
     rows = ("zenflow device sums", "zenflow host sums", "torch adamw foreach", "torch adamw fused")
     print("# bench_host_ops: operations dispatched per weight and step (top-level aten ops)")
     print(
-        f"model: {args.layers} x Linear(64, 64), batch 8; torch {torch.__version__}, "
+        f"model: {args.layers} x Linear({args.width}, {args.width}), batch 8; "
+        f"torch {torch.__version__}, "
         f"{args.threads} thread(s); "
         f"zenflow {', '.join(f'{k} {v}' for k, v in cadence.settings().items())}; one select "
         "cycle"
@@ -380,7 +394,7 @@ def main(argv=None) -> None:
         for name in rows:
             if name.endswith("fused") and dtype != torch.float32:
                 continue  # fused AdamW on the CPU takes fp32 parameters only
-            steps = _row(name, args.layers, dtype, cadence)
+            steps = _row(name, args.layers, args.width, dtype, cadence)
             backward = statistics.mean(b for b, _ in steps) / args.layers
             stepped = [s / args.layers for _, s in steps]
             kinds = "".join(
@@ -397,7 +411,7 @@ def main(argv=None) -> None:
     )
     timed_rows = ("zenflow device sums", "zenflow host sums", "torch adamw foreach")
     for dtype in dtypes:
-        _print_times(args.layers, dtype, args.cycles, timed_rows, cadence)
+        _print_times(args.layers, args.width, dtype, args.cycles, timed_rows, cadence)
     print(
         "\nbackward, ordinary, window, select: medians over the cycles (of each kind, their "
         "mean); mean step: forward, backward and step over whole select cycles, the garbage "

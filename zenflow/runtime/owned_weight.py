@@ -83,9 +83,10 @@ class OwnedWeight:
         # purpose -> (pinned buffer, its transfer to the device in flight), on a GPU.
         self._to_device_buffers: dict[str, tuple[torch.Tensor, PendingCopy | None]] = {}
         self._selected_copy: torch.Tensor | None = None  # see selected_copy()
-        # The last selected_values(): the same columns and rows step after step, until a
-        # reselection or a new copy buffer (one object per weight and step otherwise).
-        self._selected_values: ColumnValues | None = None
+        # The last selected_values() and the layout it is of: the same columns and rows step
+        # after step, until a reselection or a new copy buffer (one object per weight and step
+        # otherwise).
+        self._selected_values: tuple[ColumnValues | None, ColumnLayout | None] = None, None
         # The one tensor object ``.grad`` holds while a gradient is staged, made at the first
         # and kept step after step (as torch reuses ``.grad`` under
         # ``zero_grad(set_to_none=False)``): one per weight and step would keep Python's
@@ -245,11 +246,15 @@ class OwnedWeight:
         on the host), for ``write_selected`` or for a write-back that takes them in its pass
         (``write_rows``). Valid until the next update or reselection."""
         assert not self.offload, "offloaded values are sent from the host: write_selected()"
-        columns = self.layout.on(self.param.device, "selected")
-        values = self.state.device_master.to(self.param.dtype) if copied is None else copied
-        kept = self._selected_values
-        if kept is None or kept.columns is not columns or kept.rows is not values:
-            kept = self._selected_values = ColumnValues(columns, values)
+        values = copied
+        if values is None:
+            master = self.state.device_master
+            values = master if master.dtype == self.param.dtype else master.to(self.param.dtype)
+        kept, layout = self._selected_values
+        if kept is None or layout is not self.layout or kept.rows is not values:
+            columns = self.layout.on(self.param.device, "selected")
+            kept = ColumnValues(columns, values)
+            self._selected_values = kept, self.layout
         return kept
 
     def entering_values(

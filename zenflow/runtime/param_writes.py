@@ -16,7 +16,7 @@ bf16 weight's tenth is about 13 MB of sectors either way, by arithmetic).
 """
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,11 +33,17 @@ class ColumnValues:
     """New values of some columns of a weight: column ``columns[i]`` (distinct int64 indices)
     takes ``rows[i]`` (``[n, out]``, the parameter's dtype, on its device); ``ascending``:
     ``columns.sort()``, for a GPU's write in ascending column order (None: in the order given;
-    the CPU writes in any order)."""
+    the CPU writes in any order). ``by_column`` is ``rows.t()``, the form a write along the
+    parameter's columns takes, made once: a weight's selected columns are written from the
+    same values step after step (``OwnedWeight.selected_values``)."""
 
     columns: torch.Tensor
     rows: torch.Tensor
     ascending: tuple[torch.Tensor, torch.Tensor] | None = None
+    by_column: torch.Tensor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "by_column", self.rows.t())
 
 
 def write_columns(param: torch.Tensor, *writes: ColumnValues) -> None:
@@ -47,7 +53,11 @@ def write_columns(param: torch.Tensor, *writes: ColumnValues) -> None:
     step's selected columns together write every line once, where one after the other they
     would write most lines twice (a tenth of the columns touches four lines in five). At an
     overlapped select boundary the columns entering the selection ride in the same pass."""
-    matrix = as_matrix(param.detach())
+    # The step writes every weight's selected columns every step: no view is made that the
+    # write does not need (under no_grad, as in a step, the parameter takes the write itself).
+    matrix = param.detach() if torch.is_grad_enabled() else param
+    if matrix.dim() != 2:
+        matrix = as_matrix(matrix)
     for write in writes:
         if write.rows.shape != (write.columns.numel(), matrix.shape[0]):
             raise ValueError(
@@ -55,15 +65,16 @@ def write_columns(param: torch.Tensor, *writes: ColumnValues) -> None:
                 f"weight take rows of shape [{write.columns.numel()}, {matrix.shape[0]}], got "
                 f"{list(write.rows.shape)}"
             )
-    if matrix.device.type == "cpu" and _tiled_scatter_fits(matrix, writes):
+    on_cpu = matrix.device.type == "cpu"
+    if on_cpu and _tiled_scatter_fits(matrix, writes):
         _tiled_scatter(matrix, writes)
         return
     for write in writes:
-        if matrix.device.type != "cpu" and write.ascending is not None:
+        if not on_cpu and write.ascending is not None:
             in_order, position = write.ascending
-            matrix.index_copy_(1, in_order, write.rows.t().index_select(1, position))
+            matrix.index_copy_(1, in_order, write.by_column.index_select(1, position))
         else:
-            matrix.index_copy_(1, sent_to(write.columns, matrix.device), write.rows.t())
+            matrix.index_copy_(1, sent_to(write.columns, matrix.device), write.by_column)
 
 
 def _tiled_scatter(matrix: torch.Tensor, writes: tuple[ColumnValues, ...]) -> None:
