@@ -20,9 +20,9 @@
 #
 # GPU_CHECK_STAGES picks the stages, comma-separated (they run in the order below), or one of
 # the two calls: "first" (the default: env,install,tests,zenflow,ds-offload) and "second"
-# (install,adamw,zenflow-hostsum,ds-zenflow). Each stage runs under `timeout`, limited to what is
-# left of the budget (GPU_CHECK_BUDGET_S, 290 s by default); a stage that fails or times out does
-# not stop the next. The limits, and the split into calls, follow what each stage took on an H200
+# (install,contention,adamw,zenflow-hostsum,ds-zenflow). Each stage runs under `timeout`,
+# limited to what is left of the budget (GPU_CHECK_BUDGET_S, 290 s by default); a stage that
+# fails or times out does not stop the next. The limits, and the split into calls, follow what each stage took on an H200
 # on 2026-12-04 (in brackets; the zenflow rows' first step is Inductor compiling the model):
 #   env        25 s  [11 s] nvidia-smi, python, torch/CUDA versions, installed packages, disk,
 #                    /dev/shm, `ulimit -l` (pinned memory), the host's memory bandwidth (one 1 GiB
@@ -36,6 +36,10 @@
 #   (the DeepSpeed build is waited for here, up to 120 s: nothing is timed while it compiles;
 #    a build whose log has no "built in" line failed, and the DeepSpeed rows then use torch's
 #    Adam on the CPU, labelled)
+#   contention 30 s  (not yet run on a GPU) bench_contention.py --device cuda: the training
+#                    thread's host time per kernel launch and per Python loop step with the CPU
+#                    pool idle, running AdamW passes pinned as bind_cores pins it, and unpinned
+#                    (after DeepSpeed's build, which would take the cores)
 #   zenflow   130 s  [115 s: 67 set-up and compile, 6 timed, 42 profiling] bench_gpu_step.py
 #                    --peers zenflow: accumulate_on_device "auto" (device-side sums on one
 #                    GPU); Inductor compiles the model, the device step runs eagerly;
@@ -69,7 +73,7 @@ BUDGET=${GPU_CHECK_BUDGET_S:-290}
 STAGES=${GPU_CHECK_STAGES:-first}
 case $STAGES in
 first) STAGES=env,install,tests,zenflow,ds-offload ;;
-second) STAGES=install,adamw,zenflow-hostsum,ds-zenflow ;;
+second) STAGES=install,contention,adamw,zenflow-hostsum,ds-zenflow ;;
 esac
 RESERVE=10 # kept for the summary
 TAR=${GPU_CHECK_TAR:-}
@@ -200,6 +204,10 @@ hand_over() {
     "$PYTHON" benchmarks/bench_compile_overhead.py --hand-over-only --device cuda
 }
 
+contention() {
+    "$PYTHON" benchmarks/bench_contention.py --device cuda
+}
+
 bench() { # bench ROW [OPTIONS...]
     local row=$1
     shift
@@ -208,7 +216,7 @@ bench() { # bench ROW [OPTIONS...]
         ${GPU_CHECK_BENCH_OPTIONS:-}
 }
 
-export -f env_info install ds_cpu_adam_build tests hand_over bench
+export -f env_info install ds_cpu_adam_build tests hand_over contention bench
 
 stage env 25 env_info
 stage install 90 install
@@ -230,6 +238,7 @@ if [[ ${#BACKGROUND[@]} -gt 0 ]] && ! grep -q "built in" "$build_log"; then
     echo "| note | DeepSpeedCPUAdam did not build (ds_cpu_adam_build.log): the DeepSpeed rows use torch's Adam on the CPU | - |" \
         >>"$RES/summary.md"
 fi
+stage contention 30 contention
 stage zenflow 130 "bench zenflow"
 stage ds-offload 60 "bench ds-offload $ds_options"
 stage adamw 90 "bench adamw"

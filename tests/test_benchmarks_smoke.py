@@ -7,6 +7,7 @@ import gzip
 import json
 
 from tests.python_process import ROOT, stdout_of
+from zenflow.runtime import core_binding
 
 
 def _run(script: str, *args: str) -> str:
@@ -77,8 +78,8 @@ def test_bench_auto_interval_quick(tmp_path):
 
 
 def test_bench_host_ops_quick():
-    out = _run("bench_host_ops.py", "--threads", "2")
-    assert "2 thread(s)" in out
+    out = _run("bench_host_ops.py", "--threads", "2", "--width", "16")
+    assert "2 thread(s)" in out and "x Linear(16, 16)" in out
     assert "## float32: operations per layer" in out
     for row in ("zenflow device sums", "zenflow host sums", "torch adamw foreach"):
         assert any(line.startswith(row) for line in out.splitlines()), row
@@ -86,6 +87,23 @@ def test_bench_host_ops_quick():
     assert "in the backward's hand-overs" in out
     timed = [line.split() for line in out.splitlines() if line.startswith("zenflow device sums")]
     assert float(timed[-1][3]) > 0  # hand-overs, per layer
+
+
+def test_bench_contention_quick():
+    """The training thread's cost per operation with the pool idle, pinned as bind_cores pins
+    it (where this machine's cores can be split) and unpinned, each busy way with the pool's
+    rate over the passes that ran beside it."""
+    out = _run("bench_contention.py", "--device", "cpu")
+    record = json.loads(out.splitlines()[-1])
+    ways = [row["way"] for row in record["rows"]]
+    pinned = core_binding.pool_cpus(0.5, 1)
+    assert record["pinned"] == (None if pinned is None else list(pinned))
+    expected = ["pool idle", "pool pinned (bind_cores)", "pool unpinned"]
+    assert ways == (expected if pinned is not None else [expected[0], expected[2]])
+    for row in record["rows"]:
+        assert row["launch_us"] > 0 and row["python_us"] > 0
+        assert (row["pool_gb_s"] is None) == (row["way"] == "pool idle")
+        assert any(line.startswith(row["way"]) for line in out.splitlines())
 
 
 def test_bench_write_back_quick():
