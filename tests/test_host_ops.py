@@ -41,6 +41,17 @@ def _bench_host_ops():
 working_ops = _bench_host_ops().working_ops
 
 
+def dispatched_ops(prof) -> list[str]:
+    """Every top-level aten call, views and no-op conversions included: each is a trip through
+    the dispatcher on the host's time, whatever it does."""
+    return [
+        event.name
+        for event in prof.events()
+        if event.name.startswith("aten::")
+        and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::"))
+    ]
+
+
 def training(
     layers: int,
     device_sums: bool | None,
@@ -79,10 +90,11 @@ def ops_at(
     select_interval: int = 8,
     dtype: torch.dtype = torch.float32,
     lr: float = 1e-3,
+    count=working_ops,
 ) -> list[str]:
-    """The working operations of the backward or of ``step()`` + ``zero_grad()`` at ``steps``,
-    alike on each of them (by default the steps inside a window, after the first, which makes
-    the new selection's indices)."""
+    """The working operations (``count``: another way to list a profile's operations) of the
+    backward or of ``step()`` + ``zero_grad()`` at ``steps``, alike on each of them (by default
+    the steps inside a window, after the first, which makes the new selection's indices)."""
     compiled, opt = training(layers, device_sums, select_interval, dtype, lr)
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0)).to(dtype)
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -95,14 +107,14 @@ def ops_at(
             opt.step()
             opt.zero_grad()
         if i in steps:
-            counted.append(working_ops(backward if counted_part == "backward" else stepped))
+            counted.append(count(backward if counted_part == "backward" else stepped))
     assert all(ops == counted[0] for ops in counted), "steps of one kind dispatch alike"
     return counted[0]
 
 
 def per_extra_layer(device_sums: bool | None, counted_part: str, **at) -> dict[str, float]:
     """The operations that 10 layers dispatch beyond 4, per extra layer (``at``: ``ops_at``'s
-    steps, select_interval, dtype and lr)."""
+    steps, select_interval, dtype, lr and count)."""
     few, many = (collections.Counter(ops_at(n, device_sums, counted_part, **at)) for n in (4, 10))
     return _per_extra_layer(few, many)
 
@@ -136,6 +148,15 @@ def test_a_16_bit_ordinary_step_converts_in_multi_tensor_copies():
     bias's gradient to fp32 for every weight and bias at once, by the device update's
     multi-tensor copies. Before: a conversion per weight and one per bias."""
     assert per_extra_layer(True, "step", dtype=torch.bfloat16) == {"aten::index_copy_": 1.0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_an_ordinary_step_with_device_side_sums_makes_one_call_per_weight_views_included(dtype):
+    """Per extra layer, every call through the dispatcher, views included: the write of its
+    selected columns alone. Before: a detach and a reshape of the parameter and a transpose of
+    the values around each write, and for fp32 a conversion of the master to its own dtype."""
+    per_layer = per_extra_layer(True, "step", dtype=dtype, count=dispatched_ops)
+    assert per_layer == {"aten::index_copy_": 1.0}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
