@@ -1,18 +1,19 @@
 """Does the CPU pool's pass slow the training thread? Its cost per operation beside the pass.
 
     .venv/bin/python benchmarks/bench_contention.py [--device auto] [--mb 256] [--ops 4000]
-        [--reserved 0.5] [--quick]
+        [--reserved 0.5[,0.875...]] [--quick]
 
 On a GPU machine the training thread spends a step launching kernels with Python between them:
 its speed is the speed of the core it runs on. An overlapped window's CPU update is a pass over
 the optimizer state at the host's memory bandwidth, on the pool's threads, beside it. This
 times on the training thread a tiny operation on the device, dispatched ``--ops`` times (the
 host's time per launch; the device's work is nothing), and a plain Python loop, three ways:
-with the pool idle; with the pool running AdamW passes back to back over ``--mb`` MiB of fp32
-parameters (and as much again of gradients and of each moment), its workers pinned as
-``bind_cores`` pins them (the physical cores ``--reserved`` of them leaves the pool,
-``zenflow.runtime.core_binding``); and with the same workers unpinned. The pool runs at the
-niceness and thread count an optimizer gives its overlapped updates. Per way: microseconds per
+with the pool idle; and for each share of the cores kept from the pool (``--reserved``,
+``pt_reserved_cores_perc``) with the pool running AdamW passes back to back over ``--mb`` MiB of
+fp32 parameters (and as much again of gradients and of each moment), its workers pinned as
+``bind_cores`` pins them (the physical cores the share leaves the pool,
+``zenflow.runtime.core_binding``), and unpinned. The pool runs at the niceness and thread count
+an optimizer gives its overlapped updates. Per way: microseconds per
 operation and per loop step (medians of five rounds), and the pool's rate over the passes it
 ran meanwhile (GB/s of state read and written, by arithmetic: 16 bytes read and 12 written per
 parameter). Where pinning cannot split the cores (one core, or none allowed), it says so and
@@ -40,12 +41,15 @@ def _args(argv=None):
     parser.add_argument("--mb", type=int, default=None, help="MiB of fp32 parameters (256)")
     parser.add_argument("--ops", type=int, default=None, help="operations per round (4000)")
     parser.add_argument(
-        "--reserved", type=float, default=0.5, help="pt_reserved_cores_perc (0.5, the default)"
+        "--reserved",
+        default="0.5",
+        help="pt_reserved_cores_perc, or several comma-separated (0.5, the default)",
     )
     parser.add_argument("--quick", action="store_true", help="8 MiB, 400 operations (smoke)")
     args = parser.parse_args(argv)
     args.mb = args.mb or (8 if args.quick else 256)
     args.ops = args.ops or (400 if args.quick else 4000)
+    args.reserved = [float(share) for share in args.reserved.split(",")]
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     return args
@@ -124,18 +128,16 @@ def main(argv=None) -> None:
     args = _args(argv)
     device = torch.device(args.device)
     x = torch.zeros(1, device=device)
-    threads = cpu_adam.threads_from_reserved_cores(args.reserved)
-    pinned = core_binding.pool_cpus(args.reserved, 1)
+    allowed = core_binding.allowed_cpus()
     print("# bench_contention: the training thread's cost per operation beside the CPU pool")
     print(
-        f"device {device}; {len(core_binding.allowed_cpus())} CPUs allowed, physical cores "
-        f"{core_binding.physical_cores(core_binding.allowed_cpus())}; pool: {threads} threads "
-        f"at niceness {BACKGROUND_NICE}, pinned to {list(pinned) if pinned else 'nothing'} "
-        f"(pt_reserved_cores_perc {args.reserved}); {args.mb} MiB of fp32 parameters per pass"
+        f"device {device}; {len(allowed)} CPUs allowed, physical cores "
+        f"{core_binding.physical_cores(allowed)}; the pool at niceness {BACKGROUND_NICE}; "
+        f"{args.mb} MiB of fp32 parameters per pass; pt_reserved_cores_perc {args.reserved}"
     )
     passes = _Passes(args.mb)
     cpu_adam.set_worker_nice(BACKGROUND_NICE)
-    cpu_adam.set_num_threads(threads)
+    cpu_adam.set_num_threads(cpu_adam.threads_from_reserved_cores(args.reserved[0]))
     cpu_adam.set_worker_cpus(None)
     passes.submit(1)
     passes.finish()  # the pool's threads started and the state's pages touched
@@ -145,14 +147,22 @@ def main(argv=None) -> None:
     header = f"{'way':28s}{'us per launch':>15s}{'us per Python':>15s}{'pool':>12s}"
     print(header + "\n" + "-" * len(header))
     rows = [_way("pool idle", x, args.ops, None, pass_s)]
-    if pinned is None:
-        print("(pinning cannot split these cores: no pinned row)")
-    else:
-        cpu_adam.set_worker_cpus(pinned)
-        rows.append(_way("pool pinned (bind_cores)", x, args.ops, passes, pass_s))
+    for share in args.reserved:
+        # As an optimizer sets the pool for its overlapped updates (CPUJobs).
+        pinned = core_binding.pool_cpus(share, 1)
+        ways = [(None, cpu_adam.threads_from_reserved_cores(share))]
+        if pinned is not None:
+            ways.insert(0, (pinned, len(pinned)))
+        else:
+            print(f"({share}: pinning cannot split these cores, no pinned row)")
+        for cpus, threads in ways:
+            cpu_adam.set_num_threads(threads)
+            cpu_adam.set_worker_cpus(cpus)
+            name = f"{share} {'pinned' if cpus else 'unpinned'}, threads {threads}"
+            row = _way(name, x, args.ops, passes, pass_s)
+            rows.append(dict(row, share=share, threads=threads, cpus=list(cpus or ())))
     cpu_adam.set_worker_cpus(None)
-    rows.append(_way("pool unpinned", x, args.ops, passes, pass_s))
-    print(json.dumps(dict(device=str(device), threads=threads, pinned=pinned, rows=rows)))
+    print(json.dumps(dict(device=str(device), rows=rows)))
 
 
 if __name__ == "__main__":

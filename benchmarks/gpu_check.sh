@@ -36,10 +36,11 @@
 #   (the DeepSpeed build is waited for here, up to 120 s: nothing is timed while it compiles;
 #    a build whose log has no "built in" line failed, and the DeepSpeed rows then use torch's
 #    Adam on the CPU, labelled)
-#   contention 30 s  (not yet run on a GPU) bench_contention.py --device cuda: the training
-#                    thread's host time per kernel launch and per Python loop step with the CPU
-#                    pool idle, running AdamW passes pinned as bind_cores pins it, and unpinned
-#                    (after DeepSpeed's build, which would take the cores)
+#   contention 45 s  (not yet run on a GPU) bench_contention.py --device cuda --reserved
+#                    0.5,0.875: the training thread's host time per kernel launch and per Python
+#                    loop step with the CPU pool idle, and running AdamW passes pinned as
+#                    bind_cores pins it and unpinned, at the default share of the cores and with
+#                    two threads (after DeepSpeed's build, which would take the cores)
 #   zenflow   130 s  [115 s: 67 set-up and compile, 6 timed, 42 profiling] bench_gpu_step.py
 #                    --peers zenflow: accumulate_on_device "auto" (device-side sums on one
 #                    GPU); Inductor compiles the model, the device step runs eagerly;
@@ -205,7 +206,7 @@ hand_over() {
 }
 
 contention() {
-    "$PYTHON" benchmarks/bench_contention.py --device cuda
+    "$PYTHON" benchmarks/bench_contention.py --device cuda --reserved 0.5,0.875
 }
 
 bench() { # bench ROW [OPTIONS...]
@@ -238,7 +239,7 @@ if [[ ${#BACKGROUND[@]} -gt 0 ]] && ! grep -q "built in" "$build_log"; then
     echo "| note | DeepSpeedCPUAdam did not build (ds_cpu_adam_build.log): the DeepSpeed rows use torch's Adam on the CPU | - |" \
         >>"$RES/summary.md"
 fi
-stage contention 30 contention
+stage contention 45 contention
 stage zenflow 130 "bench zenflow"
 stage ds-offload 60 "bench ds-offload $ds_options"
 stage adamw 90 "bench adamw"

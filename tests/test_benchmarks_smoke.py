@@ -7,7 +7,7 @@ import gzip
 import json
 
 from tests.python_process import ROOT, stdout_of
-from zenflow.runtime import core_binding
+from zenflow.runtime import core_binding, cpu_adam
 
 
 def _run(script: str, *args: str) -> str:
@@ -90,16 +90,19 @@ def test_bench_host_ops_quick():
 
 
 def test_bench_contention_quick():
-    """The training thread's cost per operation with the pool idle, pinned as bind_cores pins
-    it (where this machine's cores can be split) and unpinned, each busy way with the pool's
-    rate over the passes that ran beside it."""
-    out = _run("bench_contention.py", "--device", "cpu")
+    """The training thread's cost per operation with the pool idle, and for each share of the
+    cores kept from it, pinned as bind_cores pins it (where this machine's cores can be split)
+    and unpinned, each busy way with the pool's rate over the passes that ran beside it."""
+    out = _run("bench_contention.py", "--device", "cpu", "--reserved", "0.5,0.9")
     record = json.loads(out.splitlines()[-1])
-    ways = [row["way"] for row in record["rows"]]
-    pinned = core_binding.pool_cpus(0.5, 1)
-    assert record["pinned"] == (None if pinned is None else list(pinned))
-    expected = ["pool idle", "pool pinned (bind_cores)", "pool unpinned"]
-    assert ways == (expected if pinned is not None else [expected[0], expected[2]])
+    expected = ["pool idle"]
+    for share in (0.5, 0.9):
+        unpinned = cpu_adam.threads_from_reserved_cores(share)
+        pinned = core_binding.pool_cpus(share, 1)
+        if pinned is not None:
+            expected.append(f"{share} pinned, threads {len(pinned)}")
+        expected.append(f"{share} unpinned, threads {unpinned}")
+    assert [row["way"] for row in record["rows"]] == expected
     for row in record["rows"]:
         assert row["launch_us"] > 0 and row["python_us"] > 0
         assert (row["pool_gb_s"] is None) == (row["way"] == "pool idle")
