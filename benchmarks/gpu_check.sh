@@ -22,8 +22,9 @@
 # the two calls: "first" (the default: env,install,tests,zenflow,ds-offload) and "second"
 # (install,contention,adamw,zenflow-hostsum,ds-zenflow). Each stage runs under `timeout`,
 # limited to what is left of the budget (GPU_CHECK_BUDGET_S, 290 s by default); a stage that
-# fails or times out does not stop the next. The limits, and the split into calls, follow what each stage took on an H200
-# on 2026-12-04 (in brackets; the zenflow rows' first step is Inductor compiling the model):
+# fails or times out does not stop the next. The limits, and the split into calls, follow what
+# each stage took on an H200 on 2026-12-04 (in brackets; the zenflow rows' first step is
+# Inductor compiling the model):
 #   env        25 s  [11 s] nvidia-smi, python, torch/CUDA versions, installed packages, disk,
 #                    /dev/shm, `ulimit -l` (pinned memory), the host's memory bandwidth (one 1 GiB
 #                    copy)

@@ -74,8 +74,8 @@ class ThreadPool {
 
 // A ThreadPool started on first use, with the size, niceness and CPUs its owner sets. A forked
 // child of a process that used one starts its own: the parent's worker threads do not exist
-// there, so the parent's pool object is leaked rather than joined. Never destroyed at exit either, for the
-// same reason (exit may come from a child, or while a job still runs).
+// there, so the parent's pool object is leaked rather than joined. Never destroyed at exit
+// either, for the same reason (exit may come from a child, or while a job still runs).
 class LazyPool {
  public:
   LazyPool(int num_threads, int nice);
