@@ -14,8 +14,8 @@ fp32 parameters (and as much again of gradients and of each moment), its workers
 ``bind_cores`` pins them (the physical cores the share leaves the pool,
 ``zenflow.runtime.core_binding``), and unpinned. The pool runs at the niceness and thread count
 an optimizer gives its overlapped updates. Per way: microseconds per
-operation and per loop step (medians of five rounds), and the pool's rate over the passes it
-ran meanwhile (GB/s of state read and written, by arithmetic: 16 bytes read and 12 written per
+operation and per loop step (medians of five rounds), and the pool's rate over the passes of
+all five (GB/s of state read and written, by arithmetic: 16 bytes read and 12 written per
 parameter). Where pinning cannot split the cores (one core, or none allowed), it says so and
 times the other two.
 """
@@ -56,14 +56,16 @@ def _args(argv=None):
 
 
 class _Passes:
-    """AdamW passes over one buffer of state kept queued on the pool while a way is timed, and
-    the time the ones that ran took."""
+    """AdamW passes over one buffer of state kept queued on the pool while a way is timed, the
+    time one pass takes with the pool as it is set now (``time_one``), and the rate of the
+    passes that ran since the last ``rate``."""
 
     def __init__(self, mb: int):
         n = mb * 2**20 // 4
         self.parameters = n
         self.state = [torch.zeros(n) for _ in range(4)]
         self.handles: list[cpu_adam.CPUAdamHandle] = []
+        self._done: list[float] = []  # seconds of each pass finished since the last rate()
 
     def submit(self, count: int) -> None:
         params, grads, exp_avgs, exp_avg_sqs = ([t] for t in self.state)
@@ -75,14 +77,26 @@ class _Passes:
                 )
             )  # fmt: skip
 
-    def finish(self) -> float:
-        """Wait for every pass; returns their rate, GB/s."""
+    def finish(self) -> None:
+        """Wait for every pass queued."""
         for handle in self.handles:
             handle.wait()
-        seconds = sum(handle.seconds() for handle in self.handles)
-        rate = len(self.handles) * self.parameters * BYTES_PER_PARAMETER / seconds / 1e9
+            self._done.append(handle.seconds())
         self.handles = []
-        return rate
+
+    def time_one(self) -> float:
+        """Seconds of one pass (the pool's threads started and the state's pages touched by
+        one before it)."""
+        self.submit(2)
+        self.finish()
+        seconds = self._done[-1]
+        self._done = []
+        return seconds
+
+    def rate(self) -> float:
+        """GB/s of the passes finished since the last call."""
+        done, self._done = self._done, []
+        return len(done) * self.parameters * BYTES_PER_PARAMETER / sum(done) / 1e9
 
 
 def _launches_us(x: torch.Tensor, ops: int) -> float:
@@ -103,16 +117,18 @@ def _python_us(steps: int) -> float:
     return (time.perf_counter() - started) / steps * 1e6
 
 
-def _way(name: str, x: torch.Tensor, ops: int, passes: _Passes | None, pass_s: float) -> dict:
+def _way(name: str, x: torch.Tensor, ops: int, passes: _Passes | None) -> dict:
     launches, python = [], []
+    # Enough passes queued to outlast each round (at up to 40 us per launch, four times over).
+    queued = 0 if passes is None else max(2, math.ceil(4 * ops * 40e-6 / passes.time_one()))
     for _ in range(ROUNDS):
         if passes is not None:
-            # Enough passes queued to outlast the round (at up to 40 us per launch, four
-            # times over), whatever the pinning does to them.
-            passes.submit(max(2, math.ceil(4 * ops * 40e-6 / pass_s)))
+            passes.submit(queued)
         launches.append(_launches_us(x, ops))
         python.append(_python_us(ops * 10))
-        rate = passes.finish() if passes is not None else None
+        if passes is not None:
+            passes.finish()
+    rate = passes.rate() if passes is not None else None
     row = dict(
         way=name,
         launch_us=statistics.median(launches),
@@ -137,16 +153,10 @@ def main(argv=None) -> None:
     )
     passes = _Passes(args.mb)
     cpu_adam.set_worker_nice(BACKGROUND_NICE)
-    cpu_adam.set_num_threads(cpu_adam.threads_from_reserved_cores(args.reserved[0]))
-    cpu_adam.set_worker_cpus(None)
-    passes.submit(1)
-    passes.finish()  # the pool's threads started and the state's pages touched
-    passes.submit(1)
-    pass_s = passes.parameters * BYTES_PER_PARAMETER / (passes.finish() * 1e9)
     _launches_us(x, args.ops)  # warm: the kernel loaded, the allocator's block cached
     header = f"{'way':28s}{'us per launch':>15s}{'us per Python':>15s}{'pool':>12s}"
     print(header + "\n" + "-" * len(header))
-    rows = [_way("pool idle", x, args.ops, None, pass_s)]
+    rows = [_way("pool idle", x, args.ops, None)]
     for share in args.reserved:
         # As an optimizer sets the pool for its overlapped updates (CPUJobs).
         pinned = core_binding.pool_cpus(share, 1)
@@ -159,7 +169,7 @@ def main(argv=None) -> None:
             cpu_adam.set_num_threads(threads)
             cpu_adam.set_worker_cpus(cpus)
             name = f"{share} {'pinned' if cpus else 'unpinned'}, threads {threads}"
-            row = _way(name, x, args.ops, passes, pass_s)
+            row = _way(name, x, args.ops, passes)
             rows.append(dict(row, share=share, threads=threads, cpus=list(cpus or ())))
     cpu_adam.set_worker_cpus(None)
     print(json.dumps(dict(device=str(device), rows=rows)))

@@ -110,13 +110,17 @@ void ThreadPool::worker(int nice, const std::vector<int>& cpus) {
   // Per thread on Linux; raising niceness needs no privilege. Failure only costs priority.
   if (nice > 0) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice);
   if (!cpus.empty()) {
-    cpu_set_t set;
+    // Only CPUs the thread may already run on (it inherits the mask of the thread that started
+    // the pool): the kernel would take others, outside a mask the process was given. None of
+    // them: the worker stays where it may run.
+    cpu_set_t allowed, set;
     CPU_ZERO(&set);
-    for (int cpu : cpus) {
-      if (cpu < CPU_SETSIZE) CPU_SET(cpu, &set);
+    if (pthread_getaffinity_np(pthread_self(), sizeof(allowed), &allowed) == 0) {
+      for (int cpu : cpus) {
+        if (cpu < CPU_SETSIZE && CPU_ISSET(cpu, &allowed)) CPU_SET(cpu, &set);
+      }
     }
-    // A CPU outside the process's mask fails the call: the worker then runs where it may.
-    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+    if (CPU_COUNT(&set) > 0) pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
   }
 #else
   (void)cpus;

@@ -72,18 +72,23 @@ def test_the_split_keeps_the_first_cores_for_training(cores, perc, pool):
         assert sorted(split.training + split.pool) == list(range(cores))
 
 
-def test_ranks_that_may_share_an_unbound_machine_leave_their_pools_unpinned(tmp_path, monkeypatch):
+@pytest.mark.parametrize("variable", ["LOCAL_WORLD_SIZE", "LOCAL_SIZE"])
+def test_ranks_that_may_share_a_machine_leave_their_pools_unpinned(tmp_path, monkeypatch, variable):
     sysfs = _sysfs(tmp_path, {cpu: str(cpu) for cpu in range(8)})
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
     everything, half = set(range(8)), {4, 5, 6, 7}
-    assert core_binding.pool_cpus(0.5, 1, everything, 8, sysfs) == (4, 5, 6, 7)
-    # Several ranks, each with the whole machine: every pool would be pinned to CPUs 4-7.
-    assert core_binding.pool_cpus(0.5, 2, everything, 8, sysfs) is None
-    # A launcher that bound each rank to cores of its own: the rank's cores are split.
-    assert core_binding.pool_cpus(0.5, 2, half, 8, sysfs) == (6, 7)
+    assert core_binding.pool_cpus(0.5, 1, everything, sysfs) == (4, 5, 6, 7)
+    assert core_binding.pool_cpus(0.5, 1, half, sysfs) == (6, 7)  # taskset: its cores split
+    # Several ranks: each rank's mask may be the same set, whose last cores every pool would
+    # take, whether it is the whole machine or a container's share of it.
+    assert core_binding.pool_cpus(0.5, 2, everything, sysfs) is None
+    assert core_binding.pool_cpus(0.5, 2, half, sysfs) is None
     # One rank per machine, by the launcher's word.
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert core_binding.pool_cpus(0.5, 2, everything, 8, sysfs) == (4, 5, 6, 7)
+    monkeypatch.setenv(variable, "1")
+    assert core_binding.pool_cpus(0.5, 2, everything, sysfs) == (4, 5, 6, 7)
+    monkeypatch.setenv(variable, "2")
+    assert core_binding.pool_cpus(0.5, 2, everything, sysfs) is None
 
 
 def test_auto_binds_where_the_weights_are_on_a_gpu():
@@ -107,11 +112,16 @@ torch.manual_seed(0)
 model = torch.nn.Linear(16, 8)
 bind = {"on": True, "off": False, "auto": "auto"}[sys.argv[1]]
 opt = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.5, update_interval=2,
-                           select_interval=4, overlap_step=True, bind_cores=bind)
-for _ in range(6):
+                           select_interval=4, overlap_step=True, bind_cores=bind,
+                           accumulate_on_device=sys.argv[2] == "device")
+other = torch.nn.Parameter(torch.ones(1 << 16))
+for step in range(6):
     model(torch.randn(4, 16)).square().mean().backward()
     opt.step()
     opt.zero_grad()
+    if step == 2:  # another user of the process's pool, between two windows
+        other.grad = torch.ones_like(other)
+        zenflow.CPUAdamW([other]).step()
 
 def allowed(tid):
     return sorted(os.sched_getaffinity(int(tid)))
@@ -129,13 +139,15 @@ print(json.dumps(dict(
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="affinity masks are Linux's")
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a split needs two CPUs")
+@pytest.mark.parametrize("sums", ["host", "device"])
 @pytest.mark.parametrize("bind", ["on", "off", "auto"])
-def test_the_pools_workers_run_where_stats_says(bind):
+def test_the_pools_workers_run_where_stats_says(bind, sums):
     """On the two CPUs the process keeps (two cores, or one core's two threads): with binding
-    the workers run on the CPUs the default share leaves them and nowhere else, and the
-    training thread keeps both; without, they run anywhere, as "auto" has them for weights on
-    the CPU."""
-    seen = json.loads(stdout_of(["-c", _TRAINING, bind], timeout_s=180))
+    the workers run on the CPUs the default share leaves them and nowhere else, also after a
+    ``CPUAdamW`` step (every core) between two windows, and the training thread keeps both;
+    without, they run anywhere, as "auto" has them for weights on the CPU. With host-side sums
+    or device-side ones (whose steps queue nothing on the pool between windows)."""
+    seen = json.loads(stdout_of(["-c", _TRAINING, bind, sums], timeout_s=180))
     assert seen["updates"] > 0  # the pool ran overlapped updates
     assert seen["training"] == seen["two"]
     assert len(seen["workers"]) == seen["threads"] > 0

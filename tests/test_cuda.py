@@ -25,7 +25,7 @@ from tests.models import batches, build, loss_of
 from tests.zero_configs import overlapped_zenflow_zero
 from zenflow.optimizer import ZenFlowAdamW
 from zenflow.reference import ReferenceZenFlowAdamW
-from zenflow.runtime import core_binding
+from zenflow.runtime import core_binding, cpu_adam
 from zenflow.runtime.comm import DataParallel
 from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.owned_weight import OwnedWeight
@@ -418,6 +418,7 @@ def test_the_cpu_pools_workers_are_pinned_by_default_for_gpu_weights(cuda_fp32):
     _, opt = zenflow_run(cuda_fp32, "eager", flush=False)
     expected = core_binding.pool_cpus(0.5, 1)
     assert opt.stats()["cpu_pool_cpus"] == list(expected or ())
+    assert cpu_adam.get_worker_cpus() == (expected or ())  # where the pool's workers start
     _, unbound = zenflow_run(cuda_fp32, "eager", flush=False, bind_cores=False)
     assert unbound.stats()["cpu_pool_cpus"] == []
 

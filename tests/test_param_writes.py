@@ -82,9 +82,11 @@ def test_an_index_out_of_range_is_refused_and_writes_nothing():
     assert not weight.any()
 
 
-def test_rows_of_the_wrong_shape_are_refused():
-    with pytest.raises(ValueError, match=r"take rows of shape \[2, 8\], got \[2, 7\]"):
-        write_columns(torch.zeros(8, 5), ColumnValues(torch.tensor([0, 1]), torch.zeros(2, 7)))
+@pytest.mark.parametrize("shape", [(2, 7), (2, 8, 1), (16,)])
+def test_rows_of_the_wrong_shape_are_refused(shape):
+    got = ", ".join(str(n) for n in shape)
+    with pytest.raises(ValueError, match=rf"take rows of shape \[2, 8\], got \[{got}\]"):
+        write_columns(torch.zeros(8, 5), ColumnValues(torch.tensor([0, 1]), torch.zeros(shape)))
 
 
 def _scatter_in_child(queue):

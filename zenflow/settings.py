@@ -175,8 +175,8 @@ class ZenFlowSettings(Section):
     """Share of the rank's CPU cores kept for PyTorch; the rest run the CPU AdamW."""
     bind_cores: bool | Literal["auto"] = "auto"
     """zenflow extension: pin the CPU AdamW's workers to the physical cores (every SMT sibling)
-    that pt_reserved_cores_perc leaves them, so that none shares a core with the training
-    thread's; False: they run on any core. "auto": where the weights are on a GPU
+    that pt_reserved_cores_perc leaves them, so that none runs on the cores kept for the
+    training thread; False: they run on any core. "auto": where the weights are on a GPU
     (``zenflow.runtime.core_binding``)."""
     steps_per_epoch: Int | None = Field(None, gt=0)
     """Optimizer steps per epoch; set at run time from the data loader."""

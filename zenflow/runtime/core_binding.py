@@ -8,8 +8,15 @@ bandwidth) the training thread shares its core, or that core's SMT sibling, with
 pool's workers are therefore pinned to whole physical cores of their own: the last ones of the
 process's affinity mask, with every SMT sibling of each, the first ``ceil(perc * cores)`` left
 to the training thread (DeepSpeed's ZenFlow keeps the first cores for training too). The
-training thread itself is not pinned: it keeps the cores the pool leaves idle, and what it
-starts (torch's own threads, data-loader workers) keeps the whole mask.
+training thread itself is not pinned: it keeps the cores the pool leaves idle (the scheduler
+may still move it onto one of the pool's), and what it starts (torch's own threads, data-loader
+workers) keeps the whole mask. The split goes by core number, as DeepSpeed's does, not by NUMA
+node: on a machine of two sockets the pool may land on the other socket than the one its state
+was first touched from.
+
+Several independent jobs on one machine, each with the whole machine as its mask, would all pin
+their pools to the same cores: give each its own cores (``taskset``, ``numactl``, a container's
+CPU set) or set ``bind_cores`` False.
 
 With ``bind_cores`` "auto" (the default) this is done where the weights live on a GPU: on the
 CPU the training thread's own work spans every core (torch's threads), so there is no core of
@@ -83,21 +90,18 @@ def pool_cpus(
     reserved_perc: float,
     world_size: int,
     allowed: set[int] | None = None,
-    online: int | None = None,
     sysfs: Path = SYSFS_CPUS,
 ) -> tuple[int, ...] | None:
     """The CPUs a rank's pool is pinned to under ``reserved_perc``, from the rank's ``allowed``
-    CPUs (its affinity mask by default) of the machine's ``online`` ones; None where the cores
-    are not split: one core, a share of 0 or 1, a platform without affinity masks, or a rank
-    that may share the machine with others (several ranks, not one per node by
-    ``LOCAL_WORLD_SIZE``) while its mask is the whole machine, as when the launcher did not
-    bind ranks to cores: every rank would pin its pool to the same cores. A launcher that
-    gives each rank cores of its own (``deepspeed --bind_cores_to_rank``, ``numactl``) has
-    each rank's cores split."""
+    CPUs (its affinity mask by default); None where the cores are not split: one core, a share
+    of 0 or 1, a platform without affinity masks, or a rank that may share the machine with
+    others: several ranks, unless the launcher says one runs per machine (``LOCAL_WORLD_SIZE``,
+    torchrun's, or ``LOCAL_SIZE``, DeepSpeed's, of 1). Ranks on one machine cannot tell, short
+    of a collective, whether their masks are their own cores or one shared set, and every rank
+    would pin its pool to the same cores of a shared one."""
     allowed = allowed_cpus() if allowed is None else allowed
-    online = (os.cpu_count() or len(allowed)) if online is None else online
-    alone = world_size == 1 or os.environ.get("LOCAL_WORLD_SIZE") == "1"
-    if not alone and len(allowed) >= online:
+    local_size = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE"))
+    if world_size > 1 and local_size != "1":
         return None
     split = split_cores(physical_cores(allowed, sysfs), reserved_perc)
     return None if split is None else split.pool

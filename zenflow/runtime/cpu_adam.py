@@ -252,8 +252,8 @@ def get_worker_nice() -> int:
 def set_worker_cpus(cpus: Sequence[int] | None) -> None:
     """Pins every worker thread to the logical CPUs ``cpus`` (None or empty: no pinning, any CPU
     the process may use), for jobs submitted from now on (after queued ones finish). Linux
-    only; elsewhere a no-op. A CPU outside the process's affinity mask leaves the workers
-    unpinned."""
+    only; elsewhere a no-op. Only CPUs in the affinity mask of the thread that starts the pool
+    count; where none of them is, the workers are not pinned."""
     pinned = sorted({operator.index(c) for c in cpus or ()})
     if pinned and pinned[0] < 0:
         raise ValueError(f"CPU numbers must be >= 0, got {pinned[0]}")

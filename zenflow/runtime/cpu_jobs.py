@@ -66,7 +66,7 @@ class CPUJobs:
             self.threads = cpu_adam.threads_from_reserved_cores(reserved_cores_perc)
         else:
             self.threads = len(self.cpus)
-        self._background()
+        self.background()
         self.counters = counters
         for phase in WAIT_PHASES:
             counters.setdefault(f"optimizer_wait_s_{phase}", 0.0)
@@ -83,10 +83,12 @@ class CPUJobs:
         try:
             yield
         finally:
-            self._background()
+            self.background()
 
-    def _background(self) -> None:
-        """The pool as overlapped updates run it, beside training."""
+    def background(self) -> None:
+        """The pool as overlapped updates run it, beside training: set before each of them is
+        submitted (each setting a no-op when already so), as another user of the process's
+        pool (a ``CPUAdamW`` step, another optimizer) may have set it otherwise meanwhile."""
         cpu_adam.set_num_threads(self.threads)
         cpu_adam.set_worker_nice(BACKGROUND_NICE)
         cpu_adam.set_worker_cpus(self.cpus)
@@ -111,6 +113,7 @@ class CPUJobs:
         scale: float,
     ) -> None:
         """``sums[i] += scale * rows[i]`` on the pool; ``releases`` run once it is done."""
+        self.background()
         handle = cpu_adam.submit_accumulate(sums, rows, scale=scale)
         self._sums.append(_QueuedSums(handle, releases))
 

@@ -43,7 +43,9 @@ class ColumnValues:
     by_column: torch.Tensor = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "by_column", self.rows.t())
+        # Rows of any other shape are refused by the write, with the shape it takes.
+        by_column = self.rows.t() if self.rows.dim() == 2 else self.rows
+        object.__setattr__(self, "by_column", by_column)
 
 
 def write_columns(param: torch.Tensor, *writes: ColumnValues) -> None:

@@ -47,6 +47,8 @@ class WindowUpdates:
     ) -> PendingUpdate:
         """Queue the update of one param group's ``weights`` (``hyper``: its AdamW settings,
         the learning rate already scaled for the window)."""
+        if background:
+            self.jobs.background()
         entries, sums, lasts = [], [], []
         copies = CopyBuffers(weights)
         unselected = [w.state.unselected(w.layout) for w in weights]
