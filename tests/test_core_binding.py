@@ -157,3 +157,27 @@ def test_the_pools_workers_run_where_stats_says(bind, sums):
     else:
         assert seen["cpus"] == []
         assert all(worker == seen["two"] for worker in seen["workers"])
+
+
+_OUTSIDE_THE_MASK = """
+import os, torch
+from zenflow.runtime import cpu_adam
+first, other = sorted(os.sched_getaffinity(0))[:2]
+os.sched_setaffinity(0, {first})
+cpu_adam.set_num_threads(1)
+cpu_adam.set_worker_cpus([other])
+t = [torch.zeros(1 << 10) for _ in range(4)]
+cpu_adam.adamw_step(*([x] for x in t), lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8,
+                    weight_decay=0.0, steps=1)
+workers = [sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")
+           if open(f"/proc/self/task/{t}/comm").read().strip() == "zenflow-adamw"]
+assert workers == [[first]], (workers, first, other)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="affinity masks are Linux's")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a CPU outside the mask")
+def test_workers_are_never_pinned_outside_the_mask_of_the_thread_that_starts_them():
+    """Asked for a CPU the process was not given (the kernel would take it), the workers stay
+    where the process may run."""
+    stdout_of(["-c", _OUTSIDE_THE_MASK], timeout_s=120)
