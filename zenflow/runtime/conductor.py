@@ -37,7 +37,7 @@ from zenflow.runtime.selective_step import (
 )
 from zenflow.runtime.side_by_side import indices_by
 from zenflow.runtime.staging import ProductBlocks
-from zenflow.runtime.staging.base import squared_norm_totals
+from zenflow.runtime.staging.base import squared_norm_totals, squared_row_norms
 from zenflow.runtime.staging.contributions import DeviceRows, Factors, HostRows, as_tensor
 from zenflow.runtime.streams import copy_stream
 from zenflow.runtime.vector_state import VectorState
@@ -280,11 +280,31 @@ class Conductor:
     def column_scores(self, weights: list[OwnedWeight]) -> list[torch.Tensor]:
         """This step's importance of each column of each of ``weights`` (natural order, on
         the host), computed once and only when a selection or the "auto" rule asks for it,
-        brought to the host in one synchronization."""
+        brought to the host in one synchronization. Weights whose rows are views of one block
+        (device-side sums: ``zenflow.runtime.staging.product_blocks``) take theirs from one
+        norm per row of the block and one copy of it, put in column order on the host: a
+        norm, a concatenation and a reordering per weight would be launches on a GPU."""
         missing = [w for w in weights if w not in self._scores]
-        if missing:
-            scores = self.sync.to_host([w.staging.scores() for w in missing])
-            self._scores.update(zip(missing, scores, strict=True))
+        if not missing:
+            return [self._scores[w] for w in weights]
+        blocks: dict[int, tuple[torch.Tensor, list[tuple[OwnedWeight, int]]]] = {}
+        alone = []
+        for w in missing:
+            found = w.staging.rows_in_block()
+            if found is None:
+                alone.append(w)
+            else:
+                block, offset = found
+                blocks.setdefault(id(block), (block, []))[1].append((w, offset))
+        per_block = [squared_row_norms(block) for block, _ in blocks.values()]
+        host = self.sync.to_host([w.staging.scores() for w in alone] + per_block)
+        self._scores.update(zip(alone, host[: len(alone)], strict=True))
+        for (_, members), block_scores in zip(blocks.values(), host[len(alone) :], strict=True):
+            for w, offset in members:
+                in_order = block_scores[offset : offset + w.layout.columns]
+                scores = torch.empty_like(in_order)
+                scores[w.layout.on(in_order.device, "order")] = in_order
+                self._scores[w] = scores
         return [self._scores[w] for w in weights]
 
     # The step.

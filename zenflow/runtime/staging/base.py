@@ -123,6 +123,11 @@ class Staging:
         column in its natural place for None), formed into ``out`` when given."""
         raise NotImplementedError
 
+    def rows_in_block(self) -> tuple[torch.Tensor, int] | None:
+        """A block of several weights' rows that this step's rows are views of, in the layout's
+        order, and the row they start at, where a strategy keeps them so; None otherwise."""
+        return None
+
     def norm_parts(self) -> list[torch.Tensor] | None:
         """Tensors whose squared L2 norms add up to the staged gradient's squared norm, where
         the rows are kept whole on their device; None: ask ``norm_sq()``."""

@@ -17,9 +17,10 @@ from zenflow.runtime.staging.product_blocks import ProductBlocks
 
 
 class DeviceSumStaging(OrderedStaging):
-    """Owns the step's unselected rows on the device (fp32, host row order), and whether its
-    first product waits in the optimizer's ``products`` blocks for its rows to be put in order
-    (``_in_products``)."""
+    """Owns the step's unselected rows on the device (fp32, host row order), whether its first
+    product waits in the optimizer's ``products`` blocks for its rows to be put in order
+    (``_in_products``), and the gathered block they were put in and the row they start at
+    there (``_block``, ``_block_offset``)."""
 
     # The rows stay on the device until the step: the step's norm is taken from them for every
     # weight at once (``norm_parts``), and the columns' scores only where a selection or the
@@ -31,6 +32,10 @@ class DeviceSumStaging(OrderedStaging):
         self.products = products
         self._in_products = False
         self._unselected: torch.Tensor | None = None
+        # Two attributes, not a tuple: a new container per weight and step would live until the
+        # next, one more object for the garbage collector's young passes to find alive.
+        self._block: torch.Tensor | None = None
+        self._block_offset = 0
 
     def stage_matmul(self, columns_by_batch, out_grad, lookup=None) -> None:
         if lookup is not None or self.staged:
@@ -41,11 +46,32 @@ class DeviceSumStaging(OrderedStaging):
         self._in_products = True
         self.micro_batches = 1
 
-    def take_product_rows(self, selected: torch.Tensor, unselected: torch.Tensor) -> None:
+    def take_product_rows(
+        self, selected: torch.Tensor, unselected: torch.Tensor, rows: torch.Tensor, offset: int
+    ) -> None:
         """This step's first product's rows, in the layout's order, fp32, as the selected and
-        the unselected ones (from ``products``)."""
+        the unselected ones: views of ``rows`` (the block ``products`` gathered) from row
+        ``offset``."""
         self._in_products = False
         self._selected, self._unselected = selected, unselected
+        self._block, self._block_offset = rows, offset
+
+    def rows_in_block(self) -> tuple[torch.Tensor, int] | None:
+        """The gathered block this step's rows are still views of, and the row they start at
+        (later micro-batches add into them there); None where the rows are the weight's own
+        (a lookup's gradient, a migration, a discarded step). For the columns' scores of
+        every weight of a block at once."""
+        self._products_taken()
+        block, selected, unselected = self._block, self._selected, self._unselected
+        if block is None or selected is None or unselected is None:
+            return None
+        row_bytes = block.stride(0) * block.element_size()
+        start = block.data_ptr() + self._block_offset * row_bytes
+        if selected.data_ptr() != start:
+            return None
+        if unselected.data_ptr() != start + selected.shape[0] * row_bytes:
+            return None
+        return block, self._block_offset
 
     def _products_taken(self) -> None:
         """Every weight's first product put in order: before a later micro-batch adds to the
@@ -109,4 +135,5 @@ class DeviceSumStaging(OrderedStaging):
             self.products.drop(self)
             self._in_products = False
         self._unselected = None
+        self._block = None
         super().discard()

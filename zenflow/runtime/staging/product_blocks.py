@@ -94,15 +94,18 @@ class _Block:
         for m in members:
             counts += (m.layout.k, m.layout.columns - m.layout.k)
         parts = ordered.split(counts)
+        offset = 0
         for i, member in enumerate(members):
-            member.take_product_rows(parts[2 * i], parts[2 * i + 1])
+            member.take_product_rows(parts[2 * i], parts[2 * i + 1], ordered, offset)
+            offset += member.layout.columns
 
 
 class ProductBlocks:
     """Owns the blocks of one optimizer's weights with device-side sums, each kind's (device,
     dtype, row width) in the order they were made, and which block each member's product
     goes to. Members: objects with a ``layout`` and ``take_product_rows(selected,
-    unselected)`` (a weight's ``DeviceSumStaging``)."""
+    unselected, rows, offset)`` (a weight's ``DeviceSumStaging``; ``rows``: the gathered
+    block its two parts are views of, from row ``offset``)."""
 
     def __init__(self, max_block_bytes: int = MAX_BLOCK_BYTES):
         self.max_block_bytes = max_block_bytes
