@@ -29,7 +29,7 @@ import time
 import torch
 
 from zenflow.runtime import core_binding, cpu_adam
-from zenflow.runtime.cpu_jobs import BACKGROUND_NICE
+from zenflow.runtime.cpu_jobs import BACKGROUND_NICE, CPUJobs
 
 ROUNDS = 5
 BYTES_PER_PARAMETER = 28  # read: parameter, gradient, two moments; written: all but the gradient
@@ -152,25 +152,25 @@ def main(argv=None) -> None:
         f"{args.mb} MiB of fp32 parameters per pass; pt_reserved_cores_perc {args.reserved}"
     )
     passes = _Passes(args.mb)
-    cpu_adam.set_worker_nice(BACKGROUND_NICE)
     _launches_us(x, args.ops)  # warm: the kernel loaded, the allocator's block cached
     header = f"{'way':28s}{'us per launch':>15s}{'us per Python':>15s}{'pool':>12s}"
     print(header + "\n" + "-" * len(header))
     rows = [_way("pool idle", x, args.ops, None)]
     for share in args.reserved:
-        # As an optimizer sets the pool for its overlapped updates (CPUJobs).
-        pinned = core_binding.pool_cpus(share, 1)
-        ways = [(None, cpu_adam.threads_from_reserved_cores(share))]
-        if pinned is not None:
-            ways.insert(0, (pinned, len(pinned)))
+        # The pool as an optimizer sets it for its overlapped updates, pinned and not.
+        pinned, unpinned = (
+            CPUJobs(share, {}, bind_cores=bind, world_size=1) for bind in (True, False)
+        )
+        ways = [unpinned]
+        if pinned.cpus is not None:
+            ways.insert(0, pinned)
         else:
             print(f"({share}: pinning cannot split these cores, no pinned row)")
-        for cpus, threads in ways:
-            cpu_adam.set_num_threads(threads)
-            cpu_adam.set_worker_cpus(cpus)
-            name = f"{share} {'pinned' if cpus else 'unpinned'}, threads {threads}"
+        for jobs in ways:
+            jobs.background()
+            name = f"{share} {'pinned' if jobs.cpus else 'unpinned'}, threads {jobs.threads}"
             row = _way(name, x, args.ops, passes)
-            rows.append(dict(row, share=share, threads=threads, cpus=list(cpus or ())))
+            rows.append(dict(row, share=share, threads=jobs.threads, cpus=list(jobs.cpus or ())))
     cpu_adam.set_worker_cpus(None)
     print(json.dumps(dict(device=str(device), rows=rows)))
 

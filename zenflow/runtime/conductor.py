@@ -302,9 +302,7 @@ class Conductor:
         for (_, members), block_scores in zip(blocks.values(), host[len(alone) :], strict=True):
             for w, offset in members:
                 in_order = block_scores[offset : offset + w.layout.columns]
-                scores = torch.empty_like(in_order)
-                scores[w.layout.on(in_order.device, "order")] = in_order
-                self._scores[w] = scores
+                self._scores[w] = w.layout.in_column_order(in_order)
         return [self._scores[w] for w in weights]
 
     # The step.

@@ -51,6 +51,8 @@ from typing import NamedTuple
 
 import torch
 
+from zenflow.runtime import core_binding
+
 __all__ = [
     "CPUAdamError",
     "CPUAdamHandle",
@@ -207,9 +209,7 @@ def _load():
 def available_cores() -> int:
     """The cores this process may run on: its affinity mask (``taskset``, a container's CPU
     set), not every core of the machine."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
+    return len(core_binding.allowed_cpus()) or os.cpu_count() or 1
 
 
 def threads_from_reserved_cores(perc: float, cpu_count: int | None = None) -> int:

@@ -109,6 +109,13 @@ class ColumnLayout:
         """The selected columns in ascending order."""
         return self.device_columns.sort().values
 
+    def in_column_order(self, in_order: torch.Tensor) -> torch.Tensor:
+        """Values of this layout's rows (``in_order``: one per column, in the layout's row order)
+        put in natural column order, fp32, on their device."""
+        values = torch.empty_like(in_order, dtype=torch.float32)
+        values[self.on(in_order.device, "order")] = in_order.to(torch.float32)
+        return values
+
     def on(self, device: torch.device, name: str) -> torch.Tensor:
         """``order()`` ("order"), ``device_columns`` ("selected") or every rank's unselected
         columns in row order ("unselected") on ``device``, made once per layout and device."""

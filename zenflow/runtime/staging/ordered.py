@@ -129,10 +129,7 @@ class OrderedStaging(Staging):
         return self._scores_in_order
 
     def scores(self) -> torch.Tensor:
-        in_order = self._take_scores()
-        scores = torch.empty_like(in_order, dtype=torch.float32)
-        scores[self.layout.on(in_order.device, "order")] = in_order.float()
-        return scores
+        return self.layout.in_column_order(self._take_scores())
 
     def norm_sq(self) -> torch.Tensor:
         """On the device when staging took the scores there: the step sums every weight's
