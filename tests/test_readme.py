@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 
 from tests.test_huggingface_accelerate import collate
 from tests.test_huggingface_trainer import arguments, dataset, gpt2
@@ -113,9 +112,9 @@ def test_the_deepspeed_example_reads_the_readme_config_and_checkpoints(tmp_path,
     exec(example("A DeepSpeed config: `zenflow.initialize`"), names)
     engine = names["engine"]
     assert engine.stats()["global_steps"] == 3
-    assert engine.optimizer.settings.topk_ratio == config["zero_optimization"]["zenflow"][
-        "topk_ratio"
-    ]
+    assert (
+        engine.optimizer.settings.topk_ratio == config["zero_optimization"]["zenflow"]["topk_ratio"]
+    )
     assert any((tmp_path / "ckpt").iterdir())
     assert changed(before, engine.module)
 
