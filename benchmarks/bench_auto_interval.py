@@ -24,6 +24,7 @@ task, loss against CPU updates, the curves as lines and "auto" as points.
 import argparse
 import itertools
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -188,4 +189,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # Each line reaches a pipe or a log file when printed, not at exit: rows of a long run.
+    sys.stdout.reconfigure(line_buffering=True)
     main()

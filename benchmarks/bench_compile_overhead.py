@@ -344,4 +344,6 @@ def _hand_over_cost(args, device: torch.device, layers: int = 24, width: int = 6
 
 
 if __name__ == "__main__":
+    # Each line reaches a pipe or a log file when printed, not at exit: rows of a long run.
+    sys.stdout.reconfigure(line_buffering=True)
     main()

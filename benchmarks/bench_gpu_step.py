@@ -1098,4 +1098,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # Each line reaches a pipe or a log file when printed, not at exit: rows of a long run.
+    sys.stdout.reconfigure(line_buffering=True)
     sys.exit(main())

@@ -47,6 +47,7 @@ import argparse
 import collections
 import gc
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -425,4 +426,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    # Each line reaches a pipe or a log file when printed, not at exit: rows of a long run.
+    sys.stdout.reconfigure(line_buffering=True)
     main()

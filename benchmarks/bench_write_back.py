@@ -30,6 +30,7 @@ ratios within one run are the comparable figures.
 import argparse
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -160,4 +161,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    # Each line reaches a pipe or a log file when printed, not at exit: rows of a long run.
+    sys.stdout.reconfigure(line_buffering=True)
     main()

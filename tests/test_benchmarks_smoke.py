@@ -5,6 +5,10 @@ Nothing here is timed against a threshold; the scripts only print tables.
 
 import gzip
 import json
+import os
+import select
+import subprocess
+import sys
 
 from tests.python_process import ROOT, stdout_of
 from zenflow.runtime import core_binding, cpu_adam
@@ -171,3 +175,28 @@ def test_bench_gpu_step_quick_on_cpu(tmp_path):
     with gzip.open(tmp_path / "trace_zenflow.json.gz") as f:
         names = {event.get("name") for event in json.load(f)["traceEvents"]}
     assert {"bench::forward_backward", "bench::step", "zenflow::stage_matmul"} <= names
+
+
+def test_a_benchmark_writes_each_line_to_a_pipe_as_it_prints_it():
+    """Redirected to a log file or a pipe, a long run shows its rows as they come, not all at
+    exit: the header of a run that would take many minutes arrives within seconds."""
+    script = ROOT / "benchmarks" / "bench_host_ops.py"
+    long_run = ["--layers", "8", "--dtype", "fp32", "--cycles", "100000"]
+    # As a user's shell has it: Python's own default, a block buffer for a pipe or a file.
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    environment["PYTHONPATH"] = str(ROOT)
+    process = subprocess.Popen(
+        [sys.executable, str(script), *long_run],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+        env=environment,
+    )
+    try:
+        ready, _, _ = select.select([process.stdout], [], [], 60)
+        first = process.stdout.readline() if ready else b""
+        assert process.poll() is None, "the run ended: it cannot show whether lines stream"
+    finally:
+        process.kill()
+        process.wait()
+    assert first.startswith(b"# bench_host_ops"), first
