@@ -1,7 +1,8 @@
 """The README's Quick start runs as written: each of its Python examples is executed as it
 stands, with the names it leaves to the reader (a model, a loader, a dataset, training
 arguments) bound to small stand-ins, and its DeepSpeed JSON block is the config file its
-DeepSpeed example reads. An example whose API drifts from the library fails here."""
+DeepSpeed example reads; so is docs/deepspeed.md's example with its own config. An example
+whose API drifts from the library fails here."""
 
 import json
 import math
@@ -15,15 +16,17 @@ import torch.nn.functional as F
 from tests.test_huggingface_accelerate import collate
 from tests.test_huggingface_trainer import arguments, dataset, gpt2
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
-def example(heading: str, language: str = "python") -> str:
-    """The first ``language`` block under the README's ``### heading``."""
-    text = README.read_text()
-    start = text.index(f"\n### {heading}")
+def example(heading: str | None, language: str = "python", document: Path = README) -> str:
+    """The first ``language`` block under ``document``'s ``### heading`` (None: the
+    document's first)."""
+    text = document.read_text()
+    start = 0 if heading is None else text.index(f"\n### {heading}")
     found = re.compile(rf"```{language}\n(.*?)```", re.DOTALL).search(text, start)
-    assert found is not None, f"no {language} block under '### {heading}'"
+    assert found is not None, f"no {language} block under '### {heading}' in {document.name}"
     return found.group(1)
 
 
@@ -44,7 +47,12 @@ def weights(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def changed(before: list[torch.Tensor], model: torch.nn.Module) -> bool:
-    return all(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    """Every parameter differs from ``before`` (compared in the parameter's dtype: an engine
+    may have cast the model)."""
+    return all(
+        not torch.equal(b.to(p.dtype), p.detach())
+        for b, p in zip(before, model.parameters(), strict=True)
+    )
 
 
 def test_the_pytorch_loop_trains_through_a_select_boundary():
@@ -99,24 +107,41 @@ class LossOfBatch(torch.nn.Module):
         return F.mse_loss(self.net(x.to(dtype)).float(), y)
 
 
+def run_deepspeed_example(code: str, config: dict, tmp_path: Path):
+    """``code`` run in ``tmp_path`` beside ``config`` as its ds_config.json, on three
+    micro-batches of rows of 8 inputs and 4 targets; returns the names it bound."""
+    (tmp_path / "ds_config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(2)
+    micro = config["train_micro_batch_size_per_gpu"]
+    names = dict(model=LossOfBatch(), dataset=list(torch.randn(3 * micro, 12, generator=g)))
+    exec(code, names)
+    return names
+
+
 def test_the_deepspeed_example_reads_the_readme_config_and_checkpoints(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = json.loads(example("A DeepSpeed config: `zenflow.initialize`", "json"))
-    (tmp_path / "ds_config.json").write_text(json.dumps(config))
-    model = LossOfBatch()
-    before = weights(model)
-    g = torch.Generator().manual_seed(2)
-    micro = config["train_micro_batch_size_per_gpu"]
-    dataset = list(torch.randn(3 * micro, 12, generator=g))
-    names = dict(model=model, dataset=dataset)
-    exec(example("A DeepSpeed config: `zenflow.initialize`"), names)
+    code = example("A DeepSpeed config: `zenflow.initialize`")
+    names = run_deepspeed_example(code, config, tmp_path)
     engine = names["engine"]
     assert engine.stats()["global_steps"] == 3
-    assert (
-        engine.optimizer.settings.topk_ratio == config["zero_optimization"]["zenflow"]["topk_ratio"]
-    )
+    topk = config["zero_optimization"]["zenflow"]["topk_ratio"]
+    assert engine.optimizer.settings.topk_ratio == topk
     assert any((tmp_path / "ckpt").iterdir())
-    assert changed(before, engine.module)
+    assert changed(weights(mlp()), engine.module.net)
+
+
+def test_the_deepspeed_guide_example_resumes_and_exports(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    guide = ROOT / "docs" / "deepspeed.md"
+    config = json.loads(example(None, "json", guide))
+    names = run_deepspeed_example(
+        "import zenflow\n" + example(None, document=guide), config, tmp_path
+    )
+    engine = names["engine"]
+    assert engine.stats()["global_steps"] == 3 and names["path"] is not None
+    exported = list((tmp_path / "export").iterdir())
+    assert exported, "save_16bit_model wrote nothing"
 
 
 def test_the_cpu_optimizer_example_steps_twice():
