@@ -1,8 +1,9 @@
 """The README's Quick start runs as written: each of its Python examples is executed as it
 stands, with the names it leaves to the reader (a model, a loader, a dataset, training
 arguments) bound to small stand-ins, and its DeepSpeed JSON block is the config file its
-DeepSpeed example reads; so is docs/deepspeed.md's example with its own config. An example
-whose API drifts from the library fails here."""
+DeepSpeed example reads; so do docs/deepspeed.md's example, with its own config, and
+docs/huggingface.md's Accelerate loop. An example whose API drifts from the library fails
+here."""
 
 import json
 import math
@@ -21,12 +22,12 @@ README = ROOT / "README.md"
 
 
 def example(heading: str | None, language: str = "python", document: Path = README) -> str:
-    """The first ``language`` block under ``document``'s ``### heading`` (None: the
-    document's first)."""
+    """The first ``language`` block under ``document``'s ``heading`` (the whole line, such as
+    "### Accelerate"; None: the document's first block)."""
     text = document.read_text()
-    start = 0 if heading is None else text.index(f"\n### {heading}")
+    start = 0 if heading is None else text.index(f"\n{heading}\n")
     found = re.compile(rf"```{language}\n(.*?)```", re.DOTALL).search(text, start)
-    assert found is not None, f"no {language} block under '### {heading}' in {document.name}"
+    assert found is not None, f"no {language} block under {heading!r} in {document.name}"
     return found.group(1)
 
 
@@ -61,7 +62,7 @@ def test_the_pytorch_loop_trains_through_a_select_boundary():
     g = torch.Generator().manual_seed(1)
     loader = [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(9)]
     names = dict(model=model, loader=loader, loss_fn=F.mse_loss)
-    exec(example("A PyTorch loop: the compiler backend and `ZenFlowAdamW`"), names)
+    exec(example("### A PyTorch loop: the compiler backend and `ZenFlowAdamW`"), names)
     stats = names["opt"].stats()
     # update_interval 4, select_interval 8: CPU updates of the windows closing at steps 4 and
     # 8 and of the one the final flush() closes (step 9); selections at the first step and at
@@ -74,21 +75,31 @@ def test_the_trainer_example_trains(tmp_path):
     model = gpt2()
     before = weights(model)
     names = dict(model=model, args=arguments(tmp_path, max_steps=4), train_set=dataset())
-    exec(example("Hugging Face Trainer"), names)
+    exec(example("### Hugging Face Trainer"), names)
     trainer = names["trainer"]
     assert trainer.state.global_step == 4
     assert all(math.isfinite(log["loss"]) for log in trainer.state.log_history if "loss" in log)
     assert changed(before, model)
 
 
-def test_the_accelerate_example_trains_and_saves_its_state(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "document, heading, optimizer_steps",
+    [
+        (README, "### Accelerate", 2),
+        (ROOT / "docs" / "huggingface.md", "## Accelerate", 1),  # accumulates 2 batches a step
+    ],
+    ids=["readme", "guide"],
+)
+def test_the_accelerate_example_trains_and_saves_its_state(
+    document, heading, optimizer_steps, tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     model = gpt2()
     before = weights(model)
     loader = torch.utils.data.DataLoader(dataset(8), batch_size=4, collate_fn=collate)
     names = dict(model=model, loader=loader)
-    exec(example("Accelerate"), names)
-    assert names["opt"].optimizer.stats()["steps"] == 2
+    exec(example(heading, document=document), names)
+    assert names["opt"].optimizer.stats()["steps"] == optimizer_steps
     assert (tmp_path / "state").is_dir()
     assert changed(before, model)
 
@@ -120,8 +131,8 @@ def run_deepspeed_example(code: str, config: dict, tmp_path: Path):
 
 def test_the_deepspeed_example_reads_the_readme_config_and_checkpoints(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    config = json.loads(example("A DeepSpeed config: `zenflow.initialize`", "json"))
-    code = example("A DeepSpeed config: `zenflow.initialize`")
+    config = json.loads(example("### A DeepSpeed config: `zenflow.initialize`", "json"))
+    code = example("### A DeepSpeed config: `zenflow.initialize`")
     names = run_deepspeed_example(code, config, tmp_path)
     engine = names["engine"]
     assert engine.stats()["global_steps"] == 3
@@ -135,9 +146,7 @@ def test_the_deepspeed_guide_example_resumes_and_exports(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     guide = ROOT / "docs" / "deepspeed.md"
     config = json.loads(example(None, "json", guide))
-    names = run_deepspeed_example(
-        "import zenflow\n" + example(None, document=guide), config, tmp_path
-    )
+    names = run_deepspeed_example(example(None, document=guide), config, tmp_path)
     engine = names["engine"]
     assert engine.stats()["global_steps"] == 3 and names["path"] is not None
     exported = list((tmp_path / "export").iterdir())
@@ -155,7 +164,7 @@ def test_the_cpu_optimizer_example_steps_twice():
         r.grad = p.grad.clone()
     torch_opt = torch.optim.AdamW(reference, lr=1e-3)
     names = dict(params=params)
-    exec(example("The CPU optimizer on its own"), names)
+    exec(example("### The CPU optimizer on its own"), names)
     torch_opt.step()
     torch_opt.step()
     for b, p, r in zip(before, params, reference, strict=True):
