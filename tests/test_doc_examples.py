@@ -1,9 +1,8 @@
-"""The README's Quick start runs as written: each of its Python examples is executed as it
-stands, with the names it leaves to the reader (a model, a loader, a dataset, training
-arguments) bound to small stand-ins, and its DeepSpeed JSON block is the config file its
-DeepSpeed example reads; so do docs/deepspeed.md's example, with its own config, and
-docs/huggingface.md's Accelerate loop. An example whose API drifts from the library fails
-here."""
+"""The documentation's examples run as written: each Python example of the README's Quick
+start, docs/deepspeed.md's engine example and docs/huggingface.md's Accelerate loop is executed
+as it stands, with the names it leaves to the reader (a model, a loader, a dataset, training
+arguments) bound to small stand-ins; a document's DeepSpeed JSON block is the config file its
+example reads. An example whose API drifts from the library fails here."""
 
 import json
 import math
