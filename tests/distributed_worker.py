@@ -5,6 +5,7 @@ every rank its host-state size, for the test to compare with a single-process ru
 """
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -55,8 +56,13 @@ def run(rank: int, world_size: int, port: int, out_dir: str, settings: dict) -> 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        model, opt = train(world_size, rank, settings)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model, opt = train(world_size, rank, settings)
         result = {
+            "distributed_warnings": [
+                str(w.message) for w in caught if f"torch{os.sep}distributed" in w.filename
+            ],
             "params": [p.detach() for p in model.parameters()],
             "host_columns": opt.stats()["host_columns"],
             "staged_rows_after_backward": opt.staged_rows_after_backward,
@@ -68,7 +74,7 @@ def run(rank: int, world_size: int, port: int, out_dir: str, settings: dict) -> 
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-COUNTED_COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
+COUNTED_COLLECTIVES = ("all_reduce", comm.REDUCE_SCATTER, comm.ALL_GATHER)
 
 
 def collectives_by_step(rank: int, world_size: int, port: int, out_dir: str, settings: dict):

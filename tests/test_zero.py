@@ -80,6 +80,9 @@ def test_two_ranks_equal_one_rank_and_the_reference(tmp_path, settings):
     single_host = single_opt.stats()["host_columns"]
     assert ranks[0]["host_columns"] + ranks[1]["host_columns"] == single_host
     assert all(abs(r["host_columns"] - single_host / 2) <= single_host * 0.1 for r in ranks)
+    # The collectives are called by the names this torch release keeps (torch 2.13's rename
+    # left the old ones warning on every rank).
+    assert [r["distributed_warnings"] for r in ranks] == [[], []]
     # Nothing kept the process group alive once destroyed: its threads would run on into
     # interpreter teardown, which they can abort after a rank succeeded.
     assert [r["gloo_threads_after_destroy"] for r in ranks] == [[], []]

@@ -2,9 +2,9 @@
 
 Gradients are averaged across ranks. Host state is partitioned by whole columns: each rank owns
 a contiguous block of every weight's columns. Row chunks that differ in size between ranks are
-padded to the largest, so the equal-size collectives (``reduce_scatter_tensor``,
-``all_gather_into_tensor``) serve them; gloo (CPU) and NCCL (GPU) both provide those. With one
-process every call is the identity.
+padded to the largest, so the equal-size collectives (reduce-scatter and all-gather of one
+tensor, ``REDUCE_SCATTER`` and ``ALL_GATHER``) serve them; gloo (CPU) and NCCL (GPU) both
+provide those. With one process every call is the identity.
 
 A collective that fails (a peer rank died, or did not join within the process group's timeout,
 which gloo and NCCL both enforce) raises ``CollectiveError`` naming the collective.
@@ -17,6 +17,14 @@ import torch.distributed as dist
 
 from zenflow.runtime.host_sync import HostSync
 from zenflow.runtime.streams import sent_to
+
+# torch 2.13 renamed the equal-size collectives (``reduce_scatter_single``,
+# ``all_gather_single``) and the old names warn that they are deprecated; earlier releases have
+# only the old names. Looked up by name at each call, where a test may count them.
+REDUCE_SCATTER = (
+    "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+)
+ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 
 
 class CollectiveError(RuntimeError):
@@ -149,7 +157,7 @@ class DataParallel:
         run_collective(
             "reduce_scatter",
             self.world_size,
-            dist.reduce_scatter_tensor,
+            getattr(dist, REDUCE_SCATTER),
             out,
             padded,
             group=self.group,
@@ -167,7 +175,7 @@ class DataParallel:
         run_collective(
             "all_gather",
             self.world_size,
-            dist.all_gather_into_tensor,
+            getattr(dist, ALL_GATHER),
             gathered,
             local,
             group=self.group,
