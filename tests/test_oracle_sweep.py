@@ -1,106 +1,66 @@
 """ZenFlowAdamW against the oracle (``zenflow.reference``) over random combinations of its
-settings and of how a training loop drives it: topk_ratio from 0 to 1, fixed and "auto" update
-intervals, select intervals of one to three windows, overlap on and off, warm-up rounds,
-clipping, weight decay, device-side sums or offload, a compiled or an eager model, one or two
-micro-batches, and a step whose gradient is NaN (skipped). The tests elsewhere pin each of
-these on its own; here they meet in combinations nobody picked. Each draw trains a tiny model
-for 8 to 20 steps; its parameters equal the oracle's after every step and after ``flush()``."""
+settings and of how a training loop drives it (``tests/oracle_draws.py``): topk_ratio from 0
+to 1, fixed and "auto" update intervals, select intervals of one to three windows, overlap on
+and off, warm-up rounds, clipping, weight decay, device-side sums or offload, a compiled or an
+eager model, one or two micro-batches, and a step whose gradient is NaN (skipped); and over two
+ranks, ZeRO-1 or 2. The tests elsewhere pin each of these on its own; here they meet in
+combinations nobody picked. Each draw trains a tiny model for 8 to 20 steps."""
 
-import random
+import socket
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from torch.testing import assert_close
 
-from tests.models import batches, build, loss_of
-from zenflow.optimizer import ZenFlowAdamW
-from zenflow.reference import ReferenceZenFlowAdamW
+from tests.oracle_draws import draw, train_oracle, train_zenflow, two_rank_worker
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
-DRAWS = 40
+ONE_RANK_DRAWS = 40
+TWO_RANK_DRAWS = 16
 
 
-def draw(seed: int) -> tuple[dict, dict, dict]:
-    """The settings both optimizers take, those only ZenFlowAdamW takes, and the loop's."""
-    rng = random.Random(seed)
-    update_interval = rng.choice([1, 2, 3, 4, "auto"])
-    settings = dict(
-        lr=rng.choice([1e-2, 3e-3]),
-        weight_decay=rng.choice([0.0, 0.01]),
-        topk_ratio=rng.choice([0.0, 0.1, 0.25, 0.5, 1.0]),
-        update_interval=update_interval,
-        overlap_step=rng.random() < 0.5,
-        full_warm_up_rounds=rng.choice([0, 0, 1, 3]),
-        max_grad_norm=rng.choice([None, None, 0.05, 1.0]),
+def close(actual, expected, described: str) -> None:
+    assert_close(actual, expected, rtol=2e-5, atol=2e-6, msg=lambda m: f"{described}: {m}")
+
+
+@pytest.mark.parametrize("seed", range(ONE_RANK_DRAWS))
+def test_a_random_combination_equals_the_oracle_after_every_step(seed):
+    described = f"seed {seed}: {draw(seed)}"
+    oracle_steps = []
+    oracle_model, oracle = train_oracle(
+        seed, each_step=lambda m, step: oracle_steps.append(_params(m))
     )
-    if update_interval == "auto":
-        settings.update(
-            min_update_interval=rng.choice([1, 2]),
-            max_update_interval=rng.choice([4, 6]),
-            select_interval=rng.choice([6, 12]),
-        )
-    else:
-        settings["select_interval"] = update_interval * rng.choice([1, 2, 3])
-    offload = rng.random() < 0.25
-    runtime = dict(
-        offload=offload,
-        accumulate_on_device=not offload and rng.random() < 0.5,
-        nonfinite="skip",
-    )
-    loop = dict(
-        model=rng.choice(["mlp", "wide", "mlp_nobias"]),
-        compiled=rng.random() < 0.4,
-        micro_batches=rng.choice([1, 1, 2]),
-        steps=rng.randint(8, 20),
-        nan_at=rng.choice([None, None, rng.randint(0, 7)]),
-    )
-    return settings, runtime, loop
+
+    def same_as_the_oracle(model, step):
+        close(_params(model), oracle_steps[step], f"{described}, step {step}")
+
+    model, opt = train_zenflow(seed, each_step=same_as_the_oracle)
+    close(_params(model), _params(oracle_model), f"{described}, after flush()")
+    assert opt.stats()["skipped_steps"] == oracle.skipped_steps, described
 
 
-def backward(name: str, model, inputs, targets, micro_batches: int) -> None:
-    if micro_batches == 1:
-        loss_of(name, model, inputs, targets).backward()
-        return
-    half = inputs.shape[0] // 2
-    for x, y in ((inputs[:half], targets[:half]), (inputs[half:], targets[half:])):
-        (loss_of(name, model, x, y) / 2).backward()
+def test_random_combinations_over_two_ranks_equal_the_oracle(tmp_path):
+    """Each rank trains on its half of every batch (the NaN in one rank's half only): the
+    final parameters equal the oracle's on the whole batch."""
+    seeds = list(range(1000, 1000 + TWO_RANK_DRAWS))
+    mp.spawn(two_rank_worker, args=(2, _free_port(), str(tmp_path), seeds), nprocs=2)
+    results = torch.load(tmp_path / "sweep.pt")
+    for seed in seeds:
+        described = f"seed {seed}: {draw(seed, world_size=2)}"
+        assert not isinstance(results[seed], str), f"{described}: {results[seed]}"
+        params, skipped = results[seed]
+        oracle_model, oracle = train_oracle(seed, world_size=2)
+        close(params, _params(oracle_model), described)
+        assert skipped == oracle.skipped_steps, described
 
 
-@pytest.mark.parametrize("seed", range(DRAWS))
-def test_a_random_combination_equals_the_oracle(seed):
-    settings, runtime, loop = draw(seed)
-    described = f"seed {seed}: {settings}, {runtime}, {loop}"
-    data_name = "mlp" if loop["model"] == "mlp_nobias" else loop["model"]
-    model, oracle_model = build(loop["model"]), build(loop["model"])
-    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **settings, **runtime)
-    oracle = ReferenceZenFlowAdamW(oracle_model.parameters(), **settings)
-    forward = model
-    if loop["compiled"]:
-        forward = torch.compile(model, backend="zenflow", options={"inner": "eager"})
-    for step, (inputs, targets) in enumerate(batches(data_name, loop["steps"], seed=seed)):
-        if step == loop["nan_at"]:
-            inputs = inputs.clone()
-            inputs[0, 0] = float("nan")
-        for m, o in ((forward, opt), (oracle_model, oracle)):
-            o.zero_grad()
-            backward(data_name, m, inputs, targets, loop["micro_batches"])
-            o.step()
-        assert_close(
-            list(model.parameters()),
-            list(oracle_model.parameters()),
-            rtol=2e-5,
-            atol=2e-6,
-            msg=lambda m, step=step: f"{described}, step {step}: {m}",
-        )
-    opt.flush()
-    oracle.flush()
-    assert_close(
-        list(model.parameters()),
-        list(oracle_model.parameters()),
-        rtol=2e-5,
-        atol=2e-6,
-        msg=lambda m: f"{described}, after flush(): {m}",
-    )
-    skipped = 0 if loop["nan_at"] is None else 1
-    assert opt.stats()["skipped_steps"] == oracle.skipped_steps == skipped, described
+def _params(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,136 @@
+"""Random combinations of ZenFlowAdamW's settings and of the loop that drives it, trained by
+ZenFlowAdamW (on one rank or on this rank's share of a data-parallel batch) and by the oracle
+(``zenflow.reference``, on the whole batch), for ``tests/test_oracle_sweep.py``.
+
+A draw is three dicts: the settings both optimizers take; those only ZenFlowAdamW takes (the
+runtime's: offload, device-side sums, ZeRO stage); and the loop's (the model, compiled or not,
+micro-batches, steps, and the step whose batch holds a NaN, which both skip)."""
+
+import os
+import random
+
+import torch
+import torch.distributed as dist
+
+from tests.models import batches, build, loss_of
+from zenflow.optimizer import ZenFlowAdamW
+from zenflow.reference import ReferenceZenFlowAdamW
+
+
+def draw(seed: int, world_size: int = 1) -> tuple[dict, dict, dict]:
+    rng = random.Random(seed)
+    update_interval = rng.choice([1, 2, 3, 4, "auto"])
+    settings = dict(
+        lr=rng.choice([1e-2, 3e-3]),
+        weight_decay=rng.choice([0.0, 0.01]),
+        topk_ratio=rng.choice([0.0, 0.1, 0.25, 0.5, 1.0]),
+        update_interval=update_interval,
+        overlap_step=rng.random() < 0.5,
+        full_warm_up_rounds=rng.choice([0, 0, 1, 3]),
+        max_grad_norm=rng.choice([None, None, 0.05, 1.0]),
+    )
+    if update_interval == "auto":
+        settings.update(
+            min_update_interval=rng.choice([1, 2]),
+            max_update_interval=rng.choice([4, 6]),
+            select_interval=rng.choice([6, 12]),
+        )
+    else:
+        settings["select_interval"] = update_interval * rng.choice([1, 2, 3])
+    offload = rng.random() < 0.25
+    runtime = dict(offload=offload, nonfinite="skip")
+    if world_size == 1:  # device-side sums take one rank
+        runtime["accumulate_on_device"] = not offload and rng.random() < 0.5
+    else:
+        runtime["zero_stage"] = rng.choice([1, 2])
+    model = rng.choice(["mlp", "wide", "mlp_nobias"])
+    # The wide model's batches are 2 rows: one per rank, which does not split again.
+    one_row_shares = model == "wide" and world_size > 1
+    loop = dict(
+        model=model,
+        compiled=rng.random() < 0.4,
+        micro_batches=1 if one_row_shares else rng.choice([1, 1, 2]),
+        steps=rng.randint(8, 20),
+        nan_at=rng.choice([None, None, rng.randint(0, 7)]),
+    )
+    return settings, runtime, loop
+
+
+def _data(seed: int, loop: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches, the NaN in the first row of step ``nan_at``'s."""
+    name = "mlp" if loop["model"] == "mlp_nobias" else loop["model"]
+    data = []
+    for step, (inputs, targets) in enumerate(batches(name, loop["steps"], seed=seed)):
+        if step == loop["nan_at"]:
+            inputs = inputs.clone()
+            inputs[0, 0] = float("nan")
+        data.append((inputs, targets))
+    return data
+
+
+def _backward(loop: dict, model, inputs, targets) -> None:
+    name = "mlp" if loop["model"] == "mlp_nobias" else loop["model"]
+    if loop["micro_batches"] == 1:
+        loss_of(name, model, inputs, targets).backward()
+        return
+    half = inputs.shape[0] // 2
+    for x, y in ((inputs[:half], targets[:half]), (inputs[half:], targets[half:])):
+        (loss_of(name, model, x, y) / 2).backward()
+
+
+def train_zenflow(seed: int, rank: int = 0, world_size: int = 1, each_step=None):
+    """ZenFlowAdamW trained on this rank's share of every batch of draw ``seed``, flushed;
+    ``each_step(model, step)`` after each step. Returns the model and the optimizer."""
+    settings, runtime, loop = draw(seed, world_size)
+    model = build(loop["model"])
+    opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **settings, **runtime)
+    forward = model
+    if loop["compiled"]:
+        forward = torch.compile(model, backend="zenflow", options={"inner": "eager"})
+    for step, (inputs, targets) in enumerate(_data(seed, loop)):
+        share = slice(rank * len(inputs) // world_size, (rank + 1) * len(inputs) // world_size)
+        opt.zero_grad()
+        _backward(loop, forward, inputs[share], targets[share])
+        opt.step()
+        if each_step is not None:
+            each_step(model, step)
+    opt.flush()
+    return model, opt
+
+
+def train_oracle(seed: int, world_size: int = 1, each_step=None):
+    """The oracle trained on the whole of every batch of draw ``seed`` (as drawn for
+    ``world_size`` ranks), flushed; ``each_step(model, step)`` after each step."""
+    settings, _, loop = draw(seed, world_size)
+    model = build(loop["model"])
+    oracle = ReferenceZenFlowAdamW(model.parameters(), **settings)
+    for step, (inputs, targets) in enumerate(_data(seed, loop)):
+        oracle.zero_grad()
+        _backward(loop, model, inputs, targets)
+        oracle.step()
+        if each_step is not None:
+            each_step(model, step)
+    oracle.flush()
+    return model, oracle
+
+
+def two_rank_worker(rank: int, world_size: int, port: int, out_dir: str, seeds: list[int]):
+    """For ``mp.spawn``: trains every draw of ``seeds`` on this rank's share; rank 0 saves
+    each draw's final parameters and skipped steps, or the error it raised."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    results = {}
+    try:
+        for seed in seeds:
+            torch._dynamo.reset()
+            try:
+                model, opt = train_zenflow(seed, rank, world_size)
+            except Exception as error:  # reported by the test, with the draw
+                results[seed] = repr(error)
+                continue
+            params = [p.detach().clone() for p in model.parameters()]
+            results[seed] = (params, opt.stats()["skipped_steps"])
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, "sweep.pt"))
