@@ -78,16 +78,34 @@ def _backward(loop: dict, model, inputs, targets) -> None:
         (loss_of(name, model, x, y) / 2).backward()
 
 
-def train_zenflow(seed: int, rank: int = 0, world_size: int = 1, each_step=None):
-    """ZenFlowAdamW trained on this rank's share of every batch of draw ``seed``, flushed;
-    ``each_step(model, step)`` after each step. Returns the model and the optimizer."""
+def train_zenflow(
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+    each_step=None,
+    stop_at: int | None = None,
+    resume: tuple[dict, dict, int] | None = None,
+):
+    """ZenFlowAdamW trained on this rank's share of every batch of draw ``seed``, flushed at
+    the end; ``each_step(model, step)`` after each step. ``stop_at``: return before that step,
+    unflushed; ``resume``: (model state, optimizer state, step) to start from, loaded into a
+    model built from other weights. Returns the model and the optimizer."""
     settings, runtime, loop = draw(seed, world_size)
-    model = build(loop["model"])
+    model = build(loop["model"], seed=0 if resume is None else 123)
     opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **settings, **runtime)
+    start = 0
+    if resume is not None:
+        model_state, opt_state, start = resume
+        model.load_state_dict(model_state)
+        opt.load_state_dict(opt_state)
     forward = model
     if loop["compiled"]:
         forward = torch.compile(model, backend="zenflow", options={"inner": "eager"})
     for step, (inputs, targets) in enumerate(_data(seed, loop)):
+        if step < start:
+            continue
+        if step == stop_at:
+            return model, opt
         share = slice(rank * len(inputs) // world_size, (rank + 1) * len(inputs) // world_size)
         opt.zero_grad()
         _backward(loop, forward, inputs[share], targets[share])

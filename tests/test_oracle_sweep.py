@@ -3,9 +3,11 @@ settings and of how a training loop drives it (``tests/oracle_draws.py``): topk_
 to 1, fixed and "auto" update intervals, select intervals of one to three windows, overlap on
 and off, warm-up rounds, clipping, weight decay, device-side sums or offload, a compiled or an
 eager model, one or two micro-batches, and a step whose gradient is NaN (skipped); and over two
-ranks, ZeRO-1 or 2. The tests elsewhere pin each of these on its own; here they meet in
-combinations nobody picked. Each draw trains a tiny model for 8 to 20 steps."""
+ranks, ZeRO-1 or 2; and a checkpoint taken at a random step resumes as the straight run. The
+tests elsewhere pin each of these on its own; here they meet in combinations nobody picked.
+Each draw trains a tiny model for 8 to 20 steps."""
 
+import random
 import socket
 
 import pytest
@@ -19,6 +21,7 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 ONE_RANK_DRAWS = 40
 TWO_RANK_DRAWS = 16
+RESUMED_DRAWS = 16
 
 
 def close(actual, expected, described: str) -> None:
@@ -54,6 +57,29 @@ def test_random_combinations_over_two_ranks_equal_the_oracle(tmp_path):
         oracle_model, oracle = train_oracle(seed, world_size=2)
         close(params, _params(oracle_model), described)
         assert skipped == oracle.skipped_steps, described
+
+
+@pytest.mark.parametrize("seed", range(2000, 2000 + RESUMED_DRAWS))
+def test_a_random_combination_resumes_from_a_checkpoint_at_a_random_step_as_the_straight_run(
+    seed,
+):
+    """Saved between two steps (model and optimizer state dicts, in memory), loaded into a new
+    model and optimizer built from other weights: the run goes on bitwise as if never
+    stopped, whatever was pending (an open window, an overlapped update, a selection)."""
+    _, _, loop = draw(seed)
+    save_at = random.Random(seed).randint(1, loop["steps"] - 1)
+    described = f"seed {seed}, saved before step {save_at}: {draw(seed)}"
+    straight, straight_opt = train_zenflow(seed)
+    first, first_opt = train_zenflow(seed, stop_at=save_at)
+    saved = ({k: v.clone() for k, v in first.state_dict().items()}, first_opt.state_dict())
+    torch._dynamo.reset()
+    resumed, resumed_opt = train_zenflow(seed, resume=(*saved, save_at))
+    for mine, theirs in zip(_params(resumed), _params(straight), strict=True):
+        assert torch.equal(mine, theirs), described
+    counted = ("steps", "cpu_updates", "reselections", "skipped_steps")
+    assert [resumed_opt.stats()[c] for c in counted] == [
+        straight_opt.stats()[c] for c in counted
+    ], described
 
 
 def _params(model) -> list[torch.Tensor]:
