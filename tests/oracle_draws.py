@@ -12,6 +12,7 @@ import random
 import torch
 import torch.distributed as dist
 
+import zenflow
 from tests.models import batches, build, loss_of
 from zenflow.optimizer import ZenFlowAdamW
 from zenflow.reference import ReferenceZenFlowAdamW
@@ -69,13 +70,12 @@ def _data(seed: int, loop: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _backward(loop: dict, model, inputs, targets) -> None:
+    """One backward per micro-batch (equal chunks of the batch), each loss divided by their
+    number: the batch's mean loss."""
     name = "mlp" if loop["model"] == "mlp_nobias" else loop["model"]
-    if loop["micro_batches"] == 1:
-        loss_of(name, model, inputs, targets).backward()
-        return
-    half = inputs.shape[0] // 2
-    for x, y in ((inputs[:half], targets[:half]), (inputs[half:], targets[half:])):
-        (loss_of(name, model, x, y) / 2).backward()
+    n = loop["micro_batches"]
+    for x, y in zip(inputs.chunk(n), targets.chunk(n), strict=True):
+        (loss_of(name, model, x, y) / n).backward()
 
 
 def train_zenflow(
@@ -152,3 +152,63 @@ def two_rank_worker(rank: int, world_size: int, port: int, out_dir: str, seeds: 
         dist.destroy_process_group()
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "sweep.pt"))
+
+
+def engine_draw(seed: int) -> tuple[dict, dict]:
+    """Draw ``seed`` as a DeepSpeed config for ``zenflow.initialize`` (the micro-batches as
+    gradient accumulation, the clipping as gradient_clipping, a ZeRO stage), and its loop; no
+    NaN step (the engine raises on one unless told to skip)."""
+    settings, runtime, loop = draw(seed)
+    rng = random.Random(seed + 1)
+    loop = dict(loop, nan_at=None)
+    rows = 2 if loop["model"] == "wide" else 8  # a batch's rows (tests.models.batches)
+    loop["micro_batches"] = rng.choice([n for n in (1, 2, 4) if rows % n == 0])
+    block = {k: v for k, v in settings.items() if k not in ("lr", "weight_decay", "max_grad_norm")}
+    block.update(offload=runtime["offload"], accumulate_on_device=runtime["accumulate_on_device"])
+    config = {
+        "train_micro_batch_size_per_gpu": rows // loop["micro_batches"],
+        "gradient_accumulation_steps": loop["micro_batches"],
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": settings["lr"], "weight_decay": settings["weight_decay"]},
+        },
+        "gradient_clipping": settings["max_grad_norm"] or 0.0,
+        "zero_optimization": {
+            "stage": rng.choice([1, 2]),
+            "offload_optimizer": {"device": "cpu"},
+            "zenflow": block,
+        },
+    }
+    return config, loop
+
+
+def train_engine(seed: int):
+    """The engine of ``engine_draw(seed)`` trained on its loop, one ``engine.step()`` per
+    micro-batch, flushed. Returns the engine."""
+    config, loop = engine_draw(seed)
+    engine, *_ = zenflow.initialize(model=build(loop["model"]), config=config)
+    if loop["compiled"]:
+        engine.compile(options={"inner": "eager"})
+    name = "mlp" if loop["model"] == "mlp_nobias" else loop["model"]
+    n = loop["micro_batches"]
+    for inputs, targets in batches(name, loop["steps"], seed=seed):
+        for x, y in zip(inputs.chunk(n), targets.chunk(n), strict=True):
+            engine.backward(loss_of(name, engine, x, y))
+            engine.step()
+    engine.flush()
+    return engine
+
+
+def train_engine_oracle(seed: int):
+    """The oracle on the same batches as ``train_engine(seed)``. Returns the model."""
+    settings, _, _ = draw(seed)
+    _, loop = engine_draw(seed)
+    model = build(loop["model"])
+    oracle = ReferenceZenFlowAdamW(model.parameters(), **settings)
+    name = "mlp" if loop["model"] == "mlp_nobias" else loop["model"]
+    for inputs, targets in batches(name, loop["steps"], seed=seed):
+        oracle.zero_grad()
+        _backward(loop, model, inputs, targets)
+        oracle.step()
+    oracle.flush()
+    return model

@@ -3,7 +3,8 @@ settings and of how a training loop drives it (``tests/oracle_draws.py``): topk_
 to 1, fixed and "auto" update intervals, select intervals of one to three windows, overlap on
 and off, warm-up rounds, clipping, weight decay, device-side sums or offload, a compiled or an
 eager model, one or two micro-batches, and a step whose gradient is NaN (skipped); and over two
-ranks, ZeRO-1 or 2; and a checkpoint taken at a random step resumes as the straight run. The
+ranks, ZeRO-1 or 2; through ``zenflow.initialize`` with the draw as a DeepSpeed config; and a
+checkpoint taken at a random step resumes as the straight run. The
 tests elsewhere pin each of these on its own; here they meet in combinations nobody picked.
 Each draw trains a tiny model for 8 to 20 steps."""
 
@@ -15,13 +16,22 @@ import torch
 import torch.multiprocessing as mp
 from torch.testing import assert_close
 
-from tests.oracle_draws import draw, train_oracle, train_zenflow, two_rank_worker
+from tests.oracle_draws import (
+    draw,
+    engine_draw,
+    train_engine,
+    train_engine_oracle,
+    train_oracle,
+    train_zenflow,
+    two_rank_worker,
+)
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 ONE_RANK_DRAWS = 40
 TWO_RANK_DRAWS = 16
 RESUMED_DRAWS = 16
+ENGINE_DRAWS = 16
 
 
 def close(actual, expected, described: str) -> None:
@@ -80,6 +90,17 @@ def test_a_random_combination_resumes_from_a_checkpoint_at_a_random_step_as_the_
     assert [resumed_opt.stats()[c] for c in counted] == [
         straight_opt.stats()[c] for c in counted
     ], described
+
+
+@pytest.mark.parametrize("seed", range(3000, 3000 + ENGINE_DRAWS))
+def test_a_random_deepspeed_config_trains_as_the_oracle(seed):
+    """The draw as a DeepSpeed config (its micro-batches as gradient accumulation, its
+    clipping as gradient_clipping, ZeRO-1 or 2), through ``zenflow.initialize``: the engine's
+    model ends as the oracle's."""
+    described = f"seed {seed}: {engine_draw(seed)}"
+    engine = train_engine(seed)
+    oracle_model = train_engine_oracle(seed)
+    close(_params(engine.module), _params(oracle_model), described)
 
 
 def _params(model) -> list[torch.Tensor]:
