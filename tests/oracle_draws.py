@@ -18,7 +18,8 @@ from zenflow.optimizer import ZenFlowAdamW
 from zenflow.reference import ReferenceZenFlowAdamW
 
 
-def draw(seed: int, world_size: int = 1) -> tuple[dict, dict, dict]:
+def draw(seed: int, world_size: int = 1, model: str | None = None) -> tuple[dict, dict, dict]:
+    """``model``: the model to train (one of tests.models'), drawn where None."""
     rng = random.Random(seed)
     update_interval = rng.choice([1, 2, 3, 4, "auto"])
     settings = dict(
@@ -44,7 +45,8 @@ def draw(seed: int, world_size: int = 1) -> tuple[dict, dict, dict]:
         runtime["accumulate_on_device"] = not offload and rng.random() < 0.5
     else:
         runtime["zero_stage"] = rng.choice([1, 2])
-    model = rng.choice(["mlp", "wide", "mlp_nobias"])
+    drawn = rng.choice(["mlp", "wide", "mlp_nobias"])
+    model = drawn if model is None else model
     # The wide model's batches are 2 rows: one per rank, which does not split again.
     one_row_shares = model == "wide" and world_size > 1
     loop = dict(
@@ -54,6 +56,8 @@ def draw(seed: int, world_size: int = 1) -> tuple[dict, dict, dict]:
         steps=rng.randint(8, 20),
         nan_at=rng.choice([None, None, rng.randint(0, 7)]),
     )
+    if model == "gpt":  # token ids hold no NaN
+        loop["nan_at"] = None
     return settings, runtime, loop
 
 
@@ -85,12 +89,14 @@ def train_zenflow(
     each_step=None,
     stop_at: int | None = None,
     resume: tuple[dict, dict, int] | None = None,
+    model_name: str | None = None,
 ):
     """ZenFlowAdamW trained on this rank's share of every batch of draw ``seed``, flushed at
     the end; ``each_step(model, step)`` after each step. ``stop_at``: return before that step,
     unflushed; ``resume``: (model state, optimizer state, step) to start from, loaded into a
-    model built from other weights. Returns the model and the optimizer."""
-    settings, runtime, loop = draw(seed, world_size)
+    model built from other weights; ``model_name``: as for ``draw``. Returns the model and the
+    optimizer."""
+    settings, runtime, loop = draw(seed, world_size, model_name)
     model = build(loop["model"], seed=0 if resume is None else 123)
     opt = ZenFlowAdamW(model.parameters(), step_backend="eager", **settings, **runtime)
     start = 0
@@ -116,10 +122,10 @@ def train_zenflow(
     return model, opt
 
 
-def train_oracle(seed: int, world_size: int = 1, each_step=None):
+def train_oracle(seed: int, world_size: int = 1, each_step=None, model_name: str | None = None):
     """The oracle trained on the whole of every batch of draw ``seed`` (as drawn for
     ``world_size`` ranks), flushed; ``each_step(model, step)`` after each step."""
-    settings, _, loop = draw(seed, world_size)
+    settings, _, loop = draw(seed, world_size, model_name)
     model = build(loop["model"])
     oracle = ReferenceZenFlowAdamW(model.parameters(), **settings)
     for step, (inputs, targets) in enumerate(_data(seed, loop)):

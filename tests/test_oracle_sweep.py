@@ -2,11 +2,12 @@
 settings and of how a training loop drives it (``tests/oracle_draws.py``): topk_ratio from 0
 to 1, fixed and "auto" update intervals, select intervals of one to three windows, overlap on
 and off, warm-up rounds, clipping, weight decay, device-side sums or offload, a compiled or an
-eager model, one or two micro-batches, and a step whose gradient is NaN (skipped); and over two
+eager model (an MLP, one whose gradients arrive as factors, a GPT whose LM head is its
+embedding), one or two micro-batches, and a step whose gradient is NaN (skipped); and over two
 ranks, ZeRO-1 or 2; through ``zenflow.initialize`` with the draw as a DeepSpeed config; and a
-checkpoint taken at a random step resumes as the straight run. The
-tests elsewhere pin each of these on its own; here they meet in combinations nobody picked.
-Each draw trains a tiny model for 8 to 20 steps."""
+checkpoint taken at a random step resumes as the straight run. The tests elsewhere pin each of
+these on its own; here they meet in combinations nobody picked. Each draw trains a tiny model
+for 8 to 20 steps."""
 
 import random
 import socket
@@ -29,6 +30,7 @@ from tests.oracle_draws import (
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 ONE_RANK_DRAWS = 40
+GPT_DRAWS = 8
 TWO_RANK_DRAWS = 16
 RESUMED_DRAWS = 16
 ENGINE_DRAWS = 16
@@ -38,19 +40,26 @@ def close(actual, expected, described: str) -> None:
     assert_close(actual, expected, rtol=2e-5, atol=2e-6, msg=lambda m: f"{described}: {m}")
 
 
-@pytest.mark.parametrize("seed", range(ONE_RANK_DRAWS))
-def test_a_random_combination_equals_the_oracle_after_every_step(seed):
-    described = f"seed {seed}: {draw(seed)}"
+@pytest.mark.parametrize(
+    "seed, model",
+    [(seed, None) for seed in range(ONE_RANK_DRAWS)]
+    + [(seed, "gpt") for seed in range(500, 500 + GPT_DRAWS)],
+    ids=lambda value: str(value),
+)
+def test_a_random_combination_equals_the_oracle_after_every_step(seed, model):
+    """``model`` "gpt": a small GPT whose LM head is its token embedding, so that one weight
+    takes both a matmul's gradient and a lookup's."""
+    described = f"seed {seed}: {draw(seed, model=model)}"
     oracle_steps = []
     oracle_model, oracle = train_oracle(
-        seed, each_step=lambda m, step: oracle_steps.append(_params(m))
+        seed, each_step=lambda m, step: oracle_steps.append(_params(m)), model_name=model
     )
 
     def same_as_the_oracle(model, step):
         close(_params(model), oracle_steps[step], f"{described}, step {step}")
 
-    model, opt = train_zenflow(seed, each_step=same_as_the_oracle)
-    close(_params(model), _params(oracle_model), f"{described}, after flush()")
+    trained, opt = train_zenflow(seed, each_step=same_as_the_oracle, model_name=model)
+    close(_params(trained), _params(oracle_model), f"{described}, after flush()")
     assert opt.stats()["skipped_steps"] == oracle.skipped_steps, described
 
 
