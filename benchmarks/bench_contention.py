@@ -160,7 +160,7 @@ def main(argv=None) -> None:
     for share in args.reserved:
         # The pool as an optimizer sets it for its overlapped updates, pinned and not.
         pinned, unpinned = (
-            CPUJobs(share, {}, bind_cores=bind, world_size=1) for bind in (True, False)
+            CPUJobs(core_binding.place_pool(share, bind), {}) for bind in (True, False)
         )
         ways = [unpinned]
         if pinned.cpus is not None:

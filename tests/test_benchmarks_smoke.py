@@ -102,7 +102,7 @@ def test_bench_contention_quick():
     expected = ["pool idle"]
     for share in (0.5, 0.9):
         unpinned = cpu_adam.threads_from_reserved_cores(share)
-        pinned = core_binding.pool_cpus(share, 1)
+        pinned = core_binding.place_pool(share, True).cpus
         if pinned is not None:
             expected.append(f"{share} pinned, threads {len(pinned)}")
         expected.append(f"{share} unpinned, threads {unpinned}")

@@ -7,6 +7,8 @@ import sys
 import pytest
 import torch
 
+import zenflow
+from tests.ports import free_port
 from tests.python_process import stdout_of
 from zenflow.runtime import core_binding
 
@@ -72,23 +74,80 @@ def test_the_split_keeps_the_first_cores_for_training(cores, perc, pool):
         assert sorted(split.training + split.pool) == list(range(cores))
 
 
-@pytest.mark.parametrize("variable", ["LOCAL_WORLD_SIZE", "LOCAL_SIZE"])
-def test_ranks_that_may_share_a_machine_leave_their_pools_unpinned(tmp_path, monkeypatch, variable):
-    sysfs = _sysfs(tmp_path, {cpu: str(cpu) for cpu in range(8)})
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.delenv("LOCAL_SIZE", raising=False)
-    everything, half = set(range(8)), {4, 5, 6, 7}
-    assert core_binding.pool_cpus(0.5, 1, everything, sysfs) == (4, 5, 6, 7)
-    assert core_binding.pool_cpus(0.5, 1, half, sysfs) == (6, 7)  # taskset: its cores split
-    # Several ranks: each rank's mask may be the same set, whose last cores every pool would
-    # take, whether it is the whole machine or a container's share of it.
-    assert core_binding.pool_cpus(0.5, 2, everything, sysfs) is None
-    assert core_binding.pool_cpus(0.5, 2, half, sysfs) is None
-    # One rank per machine, by the launcher's word.
-    monkeypatch.setenv(variable, "1")
-    assert core_binding.pool_cpus(0.5, 2, everything, sysfs) == (4, 5, 6, 7)
-    monkeypatch.setenv(variable, "2")
-    assert core_binding.pool_cpus(0.5, 2, everything, sysfs) is None
+def _smt_machine(tmp_path):
+    """4 cores of 2 threads, numbered apart: CPU n and n + 4 are one core."""
+    return _sysfs(tmp_path, {cpu: f"{cpu % 4},{cpu % 4 + 4}" for cpu in range(8)})
+
+
+def test_one_rank_splits_its_own_mask(tmp_path):
+    sysfs = _smt_machine(tmp_path)
+    everything = set(range(8))
+    assert core_binding.place_pool(0.5, True, [everything], 0, sysfs) == core_binding.PoolPlace(
+        4, (2, 3, 6, 7)
+    )
+    # taskset -c 2,3,6,7: the two cores it leaves, split.
+    assert core_binding.place_pool(0.5, True, [{2, 3, 6, 7}], 0, sysfs).cpus == (3, 7)
+    # Unpinned: half of the mask's logical CPUs, wherever the scheduler puts them.
+    assert core_binding.place_pool(0.5, False, [everything], 0, sysfs) == core_binding.PoolPlace(
+        4, None
+    )
+
+
+def test_ranks_with_one_mask_split_its_cores_between_them(tmp_path):
+    """torchrun without binding: every rank of the machine has its whole mask. Each takes its
+    part of the physical cores in rank order and splits that, rather than every pool pinning
+    to the mask's last cores, or taking threads for the whole machine."""
+    sysfs = _smt_machine(tmp_path)
+    two = [set(range(8))] * 2
+    assert core_binding.rank_share(two, 0, sysfs) == {0, 1, 4, 5}
+    assert core_binding.rank_share(two, 1, sysfs) == {2, 3, 6, 7}
+    assert core_binding.place_pool(0.5, True, two, 0, sysfs) == core_binding.PoolPlace(2, (1, 5))
+    assert core_binding.place_pool(0.5, True, two, 1, sysfs) == core_binding.PoolPlace(2, (3, 7))
+    assert core_binding.place_pool(0.5, False, two, 1, sysfs) == core_binding.PoolPlace(2, None)
+    # A core each: nothing to split, so each pool stays on its own core.
+    four = [set(range(8))] * 4
+    assert [core_binding.place_pool(0.5, True, four, i, sysfs) for i in range(4)] == [
+        core_binding.PoolPlace(1, (i, i + 4)) for i in range(4)
+    ]
+    # Three ranks on four cores: parts as even as whole cores allow.
+    three = [set(range(8))] * 3
+    assert [len(core_binding.rank_share(three, i, sysfs)) for i in range(3)] == [2, 2, 4]
+
+
+def test_ranks_with_masks_of_their_own_keep_them(tmp_path):
+    sysfs = _smt_machine(tmp_path)
+    bound = [{0, 1, 4, 5}, {2, 3, 6, 7}]  # a launcher's binding (--bind_cores_to_rank)
+    assert core_binding.place_pool(0.5, True, bound, 0, sysfs).cpus == (1, 5)
+    assert core_binding.place_pool(0.5, True, bound, 1, sysfs).cpus == (3, 7)
+    # Two groups of two ranks, each group bound to one half of the machine.
+    groups = [{0, 1, 4, 5}, {0, 1, 4, 5}, {2, 3, 6, 7}, {2, 3, 6, 7}]
+    assert [core_binding.rank_share(groups, i, sysfs) for i in range(4)] == [
+        {0, 4},
+        {1, 5},
+        {2, 6},
+        {3, 7},
+    ]
+
+
+def test_ranks_whose_shares_cannot_be_told_stay_unpinned_with_threads_for_their_part(tmp_path):
+    sysfs = _smt_machine(tmp_path)
+    overlapping = [set(range(8)), {2, 3, 6, 7}]
+    assert core_binding.rank_share(overlapping, 0, sysfs) is None
+    assert core_binding.place_pool(0.5, True, overlapping, 0, sysfs) == core_binding.PoolPlace(
+        2, None
+    )
+    # More ranks than physical cores.
+    crowded = [set(range(8))] * 5
+    assert core_binding.place_pool(0.5, True, crowded, 4, sysfs) == core_binding.PoolPlace(1, None)
+    # No mask known (a platform without affinity): the machine's CPUs, shared.
+    assert core_binding.place_pool(0.0, True, [set(), set()], 1, sysfs).cpus is None
+
+
+def test_ranks_are_grouped_by_machine():
+    ranks = [("a", [0, 1]), ("b", [0, 1]), ("a", [0, 1]), ("b", [2])]
+    assert core_binding.machine_masks(ranks, 2) == ([{0, 1}, {0, 1}], 1)
+    assert core_binding.machine_masks(ranks, 3) == ([{0, 1}, {2}], 1)
+    assert core_binding.machine_id() == core_binding.machine_id() != ""
 
 
 def test_auto_binds_where_the_weights_are_on_a_gpu():
@@ -132,7 +191,7 @@ stats = opt.stats()
 print(json.dumps(dict(
     two=two, workers=workers, training=allowed(os.getpid()),
     threads=stats["cpu_pool_threads"], cpus=stats["cpu_pool_cpus"],
-    split=zenflow.runtime.core_binding.pool_cpus(0.5, 1), updates=stats["cpu_updates"],
+    split=zenflow.runtime.core_binding.place_pool(0.5, True).cpus, updates=stats["cpu_updates"],
 )))
 """
 
@@ -181,3 +240,80 @@ def test_workers_are_never_pinned_outside_the_mask_of_the_thread_that_starts_the
     """Asked for a CPU the process was not given (the kernel would take it), the workers stay
     where the process may run."""
     stdout_of(["-c", _OUTSIDE_THE_MASK], timeout_s=120)
+
+
+def _rank_pool(rank: int, port: int, out_dir: str, settings: dict) -> None:
+    """One of two gloo ranks on this machine, each with the test's mask: trains a few overlapped
+    windows and writes where its pool says it runs and where its workers do run."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 8)
+        opt = zenflow.ZenFlowAdamW(
+            model.parameters(),
+            lr=1e-2,
+            topk_ratio=0.5,
+            update_interval=2,
+            select_interval=4,
+            overlap_step=True,
+            **settings,
+        )
+        syncs = opt.stats()["device_syncs"]
+        for _ in range(6):
+            model(torch.randn(4, 16)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        stats = opt.stats()
+    finally:
+        torch.distributed.destroy_process_group()
+    workers = [
+        sorted(os.sched_getaffinity(int(t)))
+        for t in os.listdir("/proc/self/task")
+        if open(f"/proc/self/task/{t}/comm").read().strip() == "zenflow-adamw"
+    ]
+    seen = dict(
+        threads=stats["cpu_pool_threads"],
+        cpus=stats["cpu_pool_cpus"],
+        workers=workers,
+        updates=stats["cpu_updates"],
+        syncs_when_built=syncs,
+    )
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as out:
+        json.dump(seen, out)
+
+
+def _two_ranks(tmp_path, **settings) -> list[dict]:
+    torch.multiprocessing.spawn(
+        _rank_pool, args=(free_port(), str(tmp_path), settings), nprocs=2, join=True
+    )
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="affinity masks are Linux's")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a split needs two CPUs")
+def test_two_ranks_on_one_mask_pin_their_pools_to_cores_apart(tmp_path):
+    """Two ranks started without binding (both with this process's mask): with bind_cores
+    each pool's workers run on CPUs of their own, apart from the other rank's (where the mask
+    holds two physical cores; on one core's two threads they stay unpinned); without, each
+    rank takes threads for its half of the mask, not for all of it. Agreeing on it costs one
+    synchronization when the optimizer is built."""
+    mask = os.sched_getaffinity(0)
+    cores = core_binding.physical_cores(mask)
+    bound = _two_ranks(tmp_path, bind_cores=True)
+    for rank in bound:
+        assert rank["updates"] > 0  # the pool ran overlapped updates
+        assert rank["syncs_when_built"] == 1
+        assert len(rank["workers"]) == rank["threads"] > 0
+        if len(cores) >= 2:
+            assert rank["cpus"] and set(rank["cpus"]) < mask
+            assert all(worker == rank["cpus"] for worker in rank["workers"])
+        else:
+            assert rank["cpus"] == []
+    if len(cores) >= 2:
+        assert set(bound[0]["cpus"]).isdisjoint(bound[1]["cpus"])
+    # With no share kept for training, one rank alone would take a worker per logical CPU.
+    unbound = _two_ranks(tmp_path, bind_cores=False, pt_reserved_cores_perc=0.0)
+    for rank in unbound:
+        assert rank["cpus"] == []
+        assert rank["threads"] == len(rank["workers"]) == len(mask) // 2

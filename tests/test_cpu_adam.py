@@ -694,7 +694,7 @@ def test_a_step_uses_every_allowed_core_at_normal_priority_after_zenflow_set_the
     weight = torch.nn.Parameter(torch.randn(8, 4))
     ZenFlowAdamW([weight], topk_ratio=0.5, update_interval=2, bind_cores=True)
     assert cpu_adam.get_worker_nice() > 0  # overlapped updates run beside training
-    assert cpu_adam.get_worker_cpus() == (core_binding.pool_cpus(0.5, 1) or ())
+    assert cpu_adam.get_worker_cpus() == (core_binding.place_pool(0.5, True).cpus or ())
     p = torch.nn.Parameter(torch.randn(64))
     p.grad = torch.randn(64)
     CPUAdamW([p], lr=1e-2).step()

@@ -7,7 +7,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,16 +17,11 @@ import torch.multiprocessing as mp
 
 import zenflow
 from tests import dead_rank_worker, engine_worker
+from tests.ports import free_port
 from tests.zero_configs import overlapped_zenflow_zero
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD_TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # SIGKILL during save_checkpoint.

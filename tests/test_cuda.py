@@ -13,7 +13,6 @@ within rtol 1e-4, atol 1e-5.
 """
 
 import datetime
-import socket
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from torch.testing import assert_close
 
 import zenflow
 from tests.models import batches, build, loss_of
+from tests.ports import free_port
 from tests.zero_configs import overlapped_zenflow_zero
 from zenflow.optimizer import ZenFlowAdamW
 from zenflow.reference import ReferenceZenFlowAdamW
@@ -416,7 +416,7 @@ def test_the_cpu_pools_workers_are_pinned_by_default_for_gpu_weights(cuda_fp32):
     """bind_cores "auto" with the weights on a GPU: the pool's workers (for overlapped updates)
     run on the cores pt_reserved_cores_perc leaves them, where the machine can be split."""
     _, opt = zenflow_run(cuda_fp32, "eager", flush=False)
-    expected = core_binding.pool_cpus(0.5, 1)
+    expected = core_binding.place_pool(0.5, True).cpus
     assert opt.stats()["cpu_pool_cpus"] == list(expected or ())
     assert cpu_adam.get_worker_cpus() == (expected or ())  # where the pool's workers start
     _, unbound = zenflow_run(cuda_fp32, "eager", flush=False, bind_cores=False)
@@ -465,12 +465,6 @@ def test_steps_from_the_first_selection_past_a_select_boundary_synchronize_only_
 
 
 # NCCL with one rank.
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2])

@@ -10,7 +10,6 @@ these on its own; here they meet in combinations nobody picked. Each draw trains
 for 8 to 20 steps."""
 
 import random
-import socket
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from tests.oracle_draws import (
     train_zenflow,
     two_rank_worker,
 )
+from tests.ports import free_port
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -67,7 +67,7 @@ def test_random_combinations_over_two_ranks_equal_the_oracle(tmp_path):
     """Each rank trains on its half of every batch (the NaN in one rank's half only): the
     final parameters equal the oracle's on the whole batch."""
     seeds = list(range(1000, 1000 + TWO_RANK_DRAWS))
-    mp.spawn(two_rank_worker, args=(2, _free_port(), str(tmp_path), seeds), nprocs=2)
+    mp.spawn(two_rank_worker, args=(2, free_port(), str(tmp_path), seeds), nprocs=2)
     results = torch.load(tmp_path / "sweep.pt")
     for seed in seeds:
         described = f"seed {seed}: {draw(seed, world_size=2)}"
@@ -114,9 +114,3 @@ def test_a_random_deepspeed_config_trains_as_the_oracle(seed):
 
 def _params(model) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

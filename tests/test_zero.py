@@ -1,7 +1,5 @@
 """ZeRO-1/2 partitions: two gloo processes equal one process on the same global batch."""
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -9,15 +7,10 @@ from torch.testing import assert_close
 
 from tests.distributed_worker import collectives_by_step, run, train
 from tests.models import batches, build, loss_of
+from tests.ports import free_port
 from zenflow.reference import ReferenceZenFlowAdamW
 
 SCHEDULE = dict(lr=1e-2, topk_ratio=0.25, update_interval=2, select_interval=4)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def two_ranks(tmp_path, settings) -> list[dict]:

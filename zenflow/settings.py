@@ -172,12 +172,13 @@ class ZenFlowSettings(Section):
     full_warm_up_rounds: Int = Field(0, ge=0)
     """Steps of full (every parameter, every step) updates before selection starts."""
     pt_reserved_cores_perc: float = Field(0.5, ge=0.0, le=1.0)
-    """Share of the rank's CPU cores kept for PyTorch; the rest run the CPU AdamW."""
+    """Share of the rank's CPU cores kept for PyTorch; the rest run the CPU AdamW. Ranks on one
+    machine with one affinity mask split its physical cores between them first."""
     bind_cores: bool | Literal["auto"] = "auto"
     """zenflow extension: pin the CPU AdamW's workers to the physical cores (every SMT sibling)
     that pt_reserved_cores_perc leaves them, so that none runs on the cores kept for the
-    training thread; False: they run on any core. "auto": where the weights are on a GPU
-    (``zenflow.runtime.core_binding``)."""
+    training thread, nor on another rank's cores; False: they run on any core. "auto": where
+    the weights are on a GPU (``zenflow.runtime.core_binding``)."""
     steps_per_epoch: Int | None = Field(None, gt=0)
     """Optimizer steps per epoch; set at run time from the data loader."""
 

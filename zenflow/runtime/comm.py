@@ -129,6 +129,25 @@ class DataParallel:
             return HostSync.host_values(values)
         return self.sync.values([self._all_reduced(values.clone())])[0]
 
+    def gather_objects(self, value) -> list:
+        """``value`` (small, picklable) of every rank, in rank order: for what ranks decide
+        together once, when the optimizer is built. The host reads the collective's result:
+        one counted synchronization."""
+        if self.world_size == 1:
+            return [value]
+        gathered = [None] * self.world_size
+        self.sync.around(
+            lambda: run_collective(
+                "all_gather_object",
+                self.world_size,
+                dist.all_gather_object,
+                gathered,
+                value,
+                group=self.group,
+            )
+        )
+        return gathered
+
     def _padded(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``rows`` (the concatenation of chunks of ``counts`` rows) as equal chunks."""
         width = max(counts)

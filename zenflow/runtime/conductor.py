@@ -106,13 +106,8 @@ class Conductor:
             cpu_accumulate_s=0.0,
             host_after_sync_s=0.0,
         )
-        self.jobs = CPUJobs(
-            settings.pt_reserved_cores_perc,
-            self.counters,
-            core_binding.binds(settings.bind_cores, _weights_device(param_groups)),
-            comm.world_size,
-        )
         self.sync = comm.sync  # the optimizer's one count, shared with its collectives
+        self.jobs = CPUJobs(_pool_place(param_groups, settings, comm), self.counters)
         self.device_sums = _device_sums(param_groups, settings, comm)
         self.weights: list[OwnedWeight] = []
         self.vectors: list[VectorState] = []
@@ -801,6 +796,19 @@ def _trained(param_groups) -> list[torch.Tensor]:
 def _weights_device(param_groups) -> torch.device:
     trained = _trained(param_groups)
     return trained[0].device if trained else torch.device("cpu")
+
+
+def _pool_place(param_groups, settings: ZenFlowSettings, comm: DataParallel):
+    """Where this rank's CPU pool runs, from the affinity masks of the ranks on its machine
+    (``zenflow.runtime.core_binding``)."""
+    ranks = comm.gather_objects((core_binding.machine_id(), sorted(core_binding.allowed_cpus())))
+    masks, index = core_binding.machine_masks(ranks, comm.rank)
+    return core_binding.place_pool(
+        settings.pt_reserved_cores_perc,
+        core_binding.binds(settings.bind_cores, _weights_device(param_groups)),
+        masks,
+        index,
+    )
 
 
 def _device_sums(param_groups, settings: ZenFlowSettings, comm: DataParallel):

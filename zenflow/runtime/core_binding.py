@@ -1,4 +1,5 @@
-"""Which logical CPUs the CPU pool's workers run on, apart from the training thread's cores.
+"""Which logical CPUs the CPU pool's workers run on, apart from the training thread's cores and
+from other ranks' pools.
 
 ``pt_reserved_cores_perc`` keeps a share of the rank's cores for PyTorch: on a GPU machine the
 training thread, whose work in a step is launching kernels with Python between them, as fast as
@@ -6,13 +7,23 @@ the one core it runs on. Left to the scheduler, the pool's workers spread over e
 core first, so during an overlapped update (a pass over the optimizer state at the host's memory
 bandwidth) the training thread shares its core, or that core's SMT sibling, with a worker. The
 pool's workers are therefore pinned to whole physical cores of their own: the last ones of the
-process's affinity mask, with every SMT sibling of each, the first ``ceil(perc * cores)`` left
-to the training thread (DeepSpeed's ZenFlow keeps the first cores for training too). The
-training thread itself is not pinned: it keeps the cores the pool leaves idle (the scheduler
-may still move it onto one of the pool's), and what it starts (torch's own threads, data-loader
-workers) keeps the whole mask. The split goes by core number, as DeepSpeed's does, not by NUMA
-node: on a machine of two sockets the pool may land on the other socket than the one its state
-was first touched from.
+rank's CPUs, with every SMT sibling of each, the first ``ceil(perc * cores)`` left to the
+training thread (DeepSpeed's ZenFlow keeps the first cores for training too). The training
+thread itself is not pinned: it keeps the cores the pool leaves idle (the scheduler may still
+move it onto one of the pool's), and what it starts (torch's own threads, data-loader workers)
+keeps the whole mask. The split goes by core number, as DeepSpeed's does, not by NUMA node: on a
+machine of two sockets the pool may land on the other socket than the one its state was first
+touched from.
+
+A rank's CPUs are its affinity mask unless other ranks on its machine (the same running kernel:
+containers on one host count as one machine) have the same mask, as when ``torchrun`` starts
+one process per GPU without binding them. Those ranks then split the mask's physical cores
+between them, in rank order, and each splits its share as above, so that their pools do not
+all pin to the same cores or each take threads for the whole machine (DeepSpeed's ZenFlow
+splits an equal mask by rank too). Masks that are disjoint are each rank's own; masks that
+overlap without being equal, or fewer physical cores than ranks, leave the pools unpinned, each
+with threads for its part of its mask. Ranks learn their machine's masks from one collective
+when the optimizer is built (``zenflow.runtime.comm.DataParallel.gather_objects``).
 
 Several independent jobs on one machine, each with the whole machine as its mask, would all pin
 their pools to the same cores: give each its own cores (``taskset``, ``numactl``, a container's
@@ -21,6 +32,7 @@ CPU set) or set ``bind_cores`` False.
 With ``bind_cores`` "auto" (the default) this is done where the weights live on a GPU: on the
 CPU the training thread's own work spans every core (torch's threads), so there is no core of
 its to keep apart, and a pinned pool would only lose the cores the training thread leaves idle.
+The thread count follows the rank's share of the machine either way.
 
 Physical cores come from Linux's sysfs (each CPU's ``topology/thread_siblings_list``); where
 that is unreadable every CPU counts as a core of its own.
@@ -28,6 +40,7 @@ that is unreadable every CPU counts as a core of its own.
 
 import math
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,8 +87,7 @@ def physical_cores(cpus: set[int], sysfs: Path = SYSFS_CPUS) -> list[tuple[int, 
 def split_cores(cores: list[tuple[int, ...]], reserved_perc: float) -> CoreSplit | None:
     """The first ``ceil(reserved_perc * len(cores))`` physical cores for the training thread,
     the rest for the pool; None where either side would be empty (nothing to keep apart)."""
-    if not 0.0 <= reserved_perc <= 1.0:
-        raise ValueError(f"pt_reserved_cores_perc must be in [0, 1], got {reserved_perc}")
+    _check_share(reserved_perc)
     # A hair below the product, so that 0.3 * 10 (3.0000000000000004 in binary) reserves 3.
     reserved = math.ceil(reserved_perc * len(cores) - 1e-9)
     if not 0 < reserved < len(cores):
@@ -86,25 +98,94 @@ def split_cores(cores: list[tuple[int, ...]], reserved_perc: float) -> CoreSplit
     )
 
 
-def pool_cpus(
-    reserved_perc: float,
-    world_size: int,
-    allowed: set[int] | None = None,
-    sysfs: Path = SYSFS_CPUS,
-) -> tuple[int, ...] | None:
-    """The CPUs a rank's pool is pinned to under ``reserved_perc``, from the rank's ``allowed``
-    CPUs (its affinity mask by default); None where the cores are not split: one core, a share
-    of 0 or 1, a platform without affinity masks, or a rank that may share the machine with
-    others: several ranks, unless the launcher says one runs per machine (``LOCAL_WORLD_SIZE``,
-    torchrun's, or ``LOCAL_SIZE``, DeepSpeed's, of 1). Ranks on one machine cannot tell, short
-    of a collective, whether their masks are their own cores or one shared set, and every rank
-    would pin its pool to the same cores of a shared one."""
-    allowed = allowed_cpus() if allowed is None else allowed
-    local_size = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE"))
-    if world_size > 1 and local_size != "1":
+@dataclass(frozen=True)
+class PoolPlace:
+    """Where a rank's CPU pool runs: ``threads`` workers, pinned to the logical CPUs ``cpus``
+    (None: anywhere in the process's mask)."""
+
+    threads: int
+    cpus: tuple[int, ...] | None
+
+
+def machine_id() -> str:
+    """What ranks on one machine share: the running kernel's boot id (the same in every
+    container on a host), or the host name where Linux's is unreadable."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def machine_masks(ranks: list[tuple[str, list[int]]], rank: int) -> tuple[list[set[int]], int]:
+    """From every rank's ``(machine_id(), affinity mask)``, in rank order: the masks of the
+    ranks on ``rank``'s machine, in rank order, and ``rank``'s place among them."""
+    mine = ranks[rank][0]
+    local = [index for index, (machine, _) in enumerate(ranks) if machine == mine]
+    return [set(ranks[index][1]) for index in local], local.index(rank)
+
+
+def threads_for(cpus: float, reserved_perc: float) -> int:
+    """Worker threads left when ``reserved_perc`` of ``cpus`` logical CPUs stay with the
+    training thread (ZenFlow's ``pt_reserved_cores_perc``): ``max(1, int(cpus * (1 - perc)))``."""
+    _check_share(reserved_perc)
+    return max(1, int(cpus * (1.0 - reserved_perc)))
+
+
+def rank_share(masks: list[set[int]], index: int, sysfs: Path = SYSFS_CPUS) -> set[int] | None:
+    """The logical CPUs that are the ``index``-th of the ranks on one machine, whose affinity
+    masks are ``masks`` (in rank order). The ranks whose masks overlap its own share them: where
+    all of those masks are the same, it gets its part of their physical cores (whole cores, in
+    core order, as even as they divide, in the order of the ranks), which is its whole mask
+    where no other rank's overlaps it; None otherwise (masks overlapping without being equal,
+    fewer physical cores than ranks sharing them, a platform without masks)."""
+    mine = masks[index]
+    sharing = [position for position, mask in enumerate(masks) if not mine.isdisjoint(mask)]
+    if not mine or any(masks[position] != mine for position in sharing):
         return None
-    split = split_cores(physical_cores(allowed, sysfs), reserved_perc)
-    return None if split is None else split.pool
+    cores = physical_cores(mine, sysfs)
+    if len(cores) < len(sharing):
+        return None
+    part = sharing.index(index)
+    first = part * len(cores) // len(sharing)
+    last = (part + 1) * len(cores) // len(sharing)
+    return {cpu for core in cores[first:last] for cpu in core}
+
+
+def place_pool(
+    reserved_perc: float,
+    bind: bool,
+    masks: list[set[int]] | None = None,
+    index: int = 0,
+    sysfs: Path = SYSFS_CPUS,
+) -> PoolPlace:
+    """The pool of the ``index``-th rank on a machine whose ranks' affinity masks are ``masks``
+    (by default this process alone, with its own mask). With ``bind``, its workers are pinned
+    to the physical cores ``reserved_perc`` leaves of the rank's share (``rank_share``), one
+    per logical CPU there; where the share cannot be split (one core, a share of 0 or 1) they
+    are pinned to the share itself if it is part of a mask other ranks share, and unpinned
+    otherwise. Unpinned, they are as many as ``reserved_perc`` leaves of the share's logical
+    CPUs (where there is no share, of the rank's mask divided evenly among the machine's
+    ranks)."""
+    _check_share(reserved_perc)
+    masks = [allowed_cpus()] if masks is None else masks
+    share = rank_share(masks, index, sysfs)
+    if share is None:
+        cpus = len(masks[index]) or os.cpu_count() or 1
+        return PoolPlace(threads_for(cpus / len(masks), reserved_perc), None)
+    threads = threads_for(len(share), reserved_perc)
+    if not bind:
+        return PoolPlace(threads, None)
+    split = split_cores(physical_cores(share, sysfs), reserved_perc)
+    if split is not None:
+        return PoolPlace(len(split.pool), split.pool)
+    if share != masks[index]:
+        return PoolPlace(threads, tuple(sorted(share)))
+    return PoolPlace(threads, None)
+
+
+def _check_share(reserved_perc: float) -> None:
+    if not 0.0 <= reserved_perc <= 1.0:
+        raise ValueError(f"pt_reserved_cores_perc must be in [0, 1], got {reserved_perc}")
 
 
 def _siblings(cpu: int, sysfs: Path) -> frozenset[int]:

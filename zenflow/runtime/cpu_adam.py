@@ -216,10 +216,7 @@ def threads_from_reserved_cores(perc: float, cpu_count: int | None = None) -> in
     """Worker threads left when ``perc`` of the cores stay with the training thread
     (ZenFlow's ``pt_reserved_cores_perc``): ``max(1, int(cpu_count * (1 - perc)))``, of the
     ``available_cores()`` by default."""
-    if not 0.0 <= perc <= 1.0:
-        raise ValueError(f"pt_reserved_cores_perc must be in [0, 1], got {perc}")
-    cpus = available_cores() if cpu_count is None else cpu_count
-    return max(1, int(cpus * (1.0 - perc)))
+    return core_binding.threads_for(available_cores() if cpu_count is None else cpu_count, perc)
 
 
 def set_num_threads(n: int) -> None:

@@ -46,26 +46,14 @@ class _QueuedSums:
 
 
 class CPUJobs:
-    """Owns the pool settings this optimizer trains with (``threads`` and ``cpus``, set from
-    ``pt_reserved_cores_perc``), its queued window-sum additions, the phase its waits count
-    to (``phase``, one of ``WAIT_PHASES``), and its share of ``counters`` (the timings
-    above).
+    """Owns the pool settings this optimizer trains with (``threads`` and ``cpus``: ``place``,
+    from ``zenflow.runtime.core_binding.place_pool``), its queued window-sum additions, the
+    phase its waits count to (``phase``, one of ``WAIT_PHASES``), and its share of
+    ``counters`` (the timings above)."""
 
-    With ``bind_cores`` the workers are pinned to the physical cores the share leaves this rank
-    (``zenflow.runtime.core_binding``, which also says when it leaves them unpinned), one
-    worker per logical CPU there; otherwise they run anywhere (``cpus`` None), as many as the
-    share leaves of the logical CPUs."""
-
-    def __init__(
-        self, reserved_cores_perc: float, counters: dict, bind_cores: bool, world_size: int
-    ):
-        self.cpus = None
-        if bind_cores:
-            self.cpus = core_binding.pool_cpus(reserved_cores_perc, world_size)
-        if self.cpus is None:
-            self.threads = cpu_adam.threads_from_reserved_cores(reserved_cores_perc)
-        else:
-            self.threads = len(self.cpus)
+    def __init__(self, place: core_binding.PoolPlace, counters: dict):
+        self.threads = place.threads
+        self.cpus = place.cpus
         self.background()
         self.counters = counters
         for phase in WAIT_PHASES:

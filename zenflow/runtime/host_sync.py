@@ -16,10 +16,13 @@ the calls here lift it for their own duration.
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class HostSync:
@@ -70,6 +73,12 @@ class HostSync:
         if tensor.device.type != "cpu":
             raise ValueError(f"host_values of a tensor on {tensor.device}: use values()")
         return tensor.tolist()
+
+    def around(self, call: Callable[[], T]) -> T:
+        """``call()``'s result, in one synchronization: for a library call that waits for a
+        device and reads its result itself (``torch.distributed.all_gather_object``)."""
+        with self._one():
+            return call()
 
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors on the host, in one synchronization."""
