@@ -17,6 +17,8 @@ from tests.forked import result_in_forked_child
 from zenflow.cpu_adamw import CPUAdamW
 from zenflow.optimizer import ZenFlowAdamW
 from zenflow.runtime import core_binding, cpu_adam
+from zenflow.runtime.core_binding import PoolPlace
+from zenflow.runtime.cpu_jobs import CPUJobs
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 HYPERS = [
@@ -701,6 +703,24 @@ def test_a_step_uses_every_allowed_core_at_normal_priority_after_zenflow_set_the
     assert cpu_adam.get_num_threads() == cpu_adam.available_cores()
     assert cpu_adam.get_worker_nice() == 0
     assert cpu_adam.get_worker_cpus() == ()  # not pinned to the cores zenflow's pool kept
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to tell apart")
+def test_jobs_the_training_thread_waits_for_run_where_the_ranks_place_says(
+    pool_settings_restored,
+):
+    """An optimizer's pool: its overlapped updates on the CPUs for them, at background
+    priority; a job the training thread waits for on the rank's whole share (here another
+    CPU, as a rank's part of a mask shared with other ranks would be), at normal priority;
+    then back."""
+    first, last = sorted(os.sched_getaffinity(0))[0], sorted(os.sched_getaffinity(0))[-1]
+    jobs = CPUJobs(PoolPlace(1, (last,), 1, (first,)), {})
+    assert (cpu_adam.get_num_threads(), cpu_adam.get_worker_cpus()) == (1, (last,))
+    assert cpu_adam.get_worker_nice() > 0
+    with jobs.every_core():
+        assert (cpu_adam.get_num_threads(), cpu_adam.get_worker_cpus()) == (1, (first,))
+        assert cpu_adam.get_worker_nice() == 0
+    assert (cpu_adam.get_num_threads(), cpu_adam.get_worker_cpus()) == (1, (last,))
 
 
 def test_cores_come_from_the_affinity_mask():

@@ -22,8 +22,10 @@ between them, in rank order, and each splits its share as above, so that their p
 all pin to the same cores or each take threads for the whole machine (DeepSpeed's ZenFlow
 splits an equal mask by rank too). Masks that are disjoint are each rank's own; masks that
 overlap without being equal, or fewer physical cores than ranks, leave the pools unpinned, each
-with threads for its part of its mask. Ranks learn their machine's masks from one collective
-when the optimizer is built (``zenflow.runtime.comm.DataParallel.gather_objects``).
+with threads for its part of its mask. Jobs the training thread waits for (warm-up, flush, an
+update without overlap) take the rank's whole share, the cores kept for training included,
+since those idle meanwhile. Ranks learn their machine's masks from one collective when the
+optimizer is built (``zenflow.runtime.comm.DataParallel.gather_objects``).
 
 Several independent jobs on one machine, each with the whole machine as its mask, would all pin
 their pools to the same cores: give each its own cores (``taskset``, ``numactl``, a container's
@@ -100,11 +102,15 @@ def split_cores(cores: list[tuple[int, ...]], reserved_perc: float) -> CoreSplit
 
 @dataclass(frozen=True)
 class PoolPlace:
-    """Where a rank's CPU pool runs: ``threads`` workers, pinned to the logical CPUs ``cpus``
-    (None: anywhere in the process's mask)."""
+    """Where a rank's CPU pool runs: for the updates that overlap training, ``threads``
+    workers pinned to the logical CPUs ``cpus``; for the jobs the training thread waits for
+    (its cores would idle meanwhile), ``waited_threads`` workers on ``waited_cpus``, the
+    rank's whole share. None: anywhere in the process's mask."""
 
     threads: int
     cpus: tuple[int, ...] | None
+    waited_threads: int
+    waited_cpus: tuple[int, ...] | None = None
 
 
 def machine_id() -> str:
@@ -159,28 +165,28 @@ def place_pool(
     sysfs: Path = SYSFS_CPUS,
 ) -> PoolPlace:
     """The pool of the ``index``-th rank on a machine whose ranks' affinity masks are ``masks``
-    (by default this process alone, with its own mask). With ``bind``, its workers are pinned
-    to the physical cores ``reserved_perc`` leaves of the rank's share (``rank_share``), one
-    per logical CPU there; where the share cannot be split (one core, a share of 0 or 1) they
-    are pinned to the share itself if it is part of a mask other ranks share, and unpinned
-    otherwise. Unpinned, they are as many as ``reserved_perc`` leaves of the share's logical
-    CPUs (where there is no share, of the rank's mask divided evenly among the machine's
-    ranks)."""
+    (by default this process alone, with its own mask). With ``bind``, its workers for
+    overlapped updates are pinned to the physical cores ``reserved_perc`` leaves of the rank's
+    share (``rank_share``), one per logical CPU there; where the share cannot be split (one
+    core, a share of 0 or 1) they are pinned to the share itself if it is part of a mask other
+    ranks share, and unpinned otherwise. Unpinned, they are as many as ``reserved_perc`` leaves
+    of the share's logical CPUs. Jobs the training thread waits for take the whole share, on
+    it where it is part of a shared mask and ``bind``. Where there is no share, the rank's mask
+    divided evenly among the machine's ranks counts instead, unpinned."""
     _check_share(reserved_perc)
     masks = [allowed_cpus()] if masks is None else masks
     share = rank_share(masks, index, sysfs)
     if share is None:
-        cpus = len(masks[index]) or os.cpu_count() or 1
-        return PoolPlace(threads_for(cpus / len(masks), reserved_perc), None)
+        cpus = (len(masks[index]) or os.cpu_count() or 1) / len(masks)
+        return PoolPlace(threads_for(cpus, reserved_perc), None, max(1, int(cpus)))
     threads = threads_for(len(share), reserved_perc)
     if not bind:
-        return PoolPlace(threads, None)
+        return PoolPlace(threads, None, len(share))
+    part = tuple(sorted(share)) if share != masks[index] else None
     split = split_cores(physical_cores(share, sysfs), reserved_perc)
     if split is not None:
-        return PoolPlace(len(split.pool), split.pool)
-    if share != masks[index]:
-        return PoolPlace(threads, tuple(sorted(share)))
-    return PoolPlace(threads, None)
+        return PoolPlace(len(split.pool), split.pool, len(share), part)
+    return PoolPlace(threads, part, len(share), part)
 
 
 def _check_share(reserved_perc: float) -> None:

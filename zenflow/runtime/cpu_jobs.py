@@ -46,12 +46,13 @@ class _QueuedSums:
 
 
 class CPUJobs:
-    """Owns the pool settings this optimizer trains with (``threads`` and ``cpus``: ``place``,
-    from ``zenflow.runtime.core_binding.place_pool``), its queued window-sum additions, the
-    phase its waits count to (``phase``, one of ``WAIT_PHASES``), and its share of
-    ``counters`` (the timings above)."""
+    """Owns the pool settings this optimizer trains with (``place``, from
+    ``zenflow.runtime.core_binding.place_pool``; ``threads`` and ``cpus`` for overlapped
+    updates), its queued window-sum additions, the phase its waits count to (``phase``, one
+    of ``WAIT_PHASES``), and its share of ``counters`` (the timings above)."""
 
     def __init__(self, place: core_binding.PoolPlace, counters: dict):
+        self.place = place
         self.threads = place.threads
         self.cpus = place.cpus
         self.background()
@@ -64,10 +65,11 @@ class CPUJobs:
     @contextlib.contextmanager
     def every_core(self):
         """For jobs the training thread waits for: the cores it keeps for itself would idle
-        meanwhile, so the pool uses them too, at normal priority."""
-        cpu_adam.set_num_threads(cpu_adam.available_cores())
+        meanwhile, so the pool uses them too, at normal priority (the rank's whole share of
+        the machine: ``place``)."""
+        cpu_adam.set_num_threads(self.place.waited_threads)
         cpu_adam.set_worker_nice(0)
-        cpu_adam.set_worker_cpus(None)
+        cpu_adam.set_worker_cpus(self.place.waited_cpus)
         try:
             yield
         finally:
