@@ -183,6 +183,7 @@ zenflow.CPUAdamW([p], lr=0.1).step()
 assert p.detach().lt(1).all(), p
 from zenflow.runtime import cpu_adam
 print("zenflow CPU AdamW ok, isa", cpu_adam.isa())'
+    "$PYTHON" -m zenflow # the machine as zenflow sees it: GPUs, CPUs, where the pool runs
     "$PYTHON" -c 'import deepspeed; print("deepspeed", deepspeed.__version__)'
     # For one CUDA test (Accelerate's prepare); its absence fails that test, not the check.
     "$PYTHON" -m pip install "${links[@]}" accelerate ||

@@ -13,6 +13,7 @@ within rtol 1e-4, atol 1e-5.
 """
 
 import datetime
+import json
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ import zenflow
 from tests.models import batches, build, loss_of
 from tests.ports import free_port
 from tests.zero_configs import overlapped_zenflow_zero
+from zenflow import report
 from zenflow.optimizer import ZenFlowAdamW
 from zenflow.reference import ReferenceZenFlowAdamW
 from zenflow.runtime import core_binding, cpu_adam
@@ -410,6 +412,17 @@ def test_device_sums_are_on_by_default_for_one_gpu_rank(cuda_fp32):
     _, host_sums = zenflow_run(cuda_fp32, "eager", flush=True, accumulate_on_device=False)
     assert by_default.stats()["accumulate_on_device"] is True
     assert by_default.stats()["d2h_bytes"] < host_sums.stats()["d2h_bytes"]
+
+
+def test_the_report_shows_each_gpu_and_pins_the_pool_by_default(capsys):
+    """``python -m zenflow`` on a GPU machine: every GPU with its free memory, and the pool
+    pinned under bind_cores "auto", as for weights on a GPU."""
+    assert report.main(["--json"]) == 0
+    seen = json.loads(capsys.readouterr().out)
+    assert [gpu["index"] for gpu in seen["gpus"]] == list(range(torch.cuda.device_count()))
+    assert all(0 < gpu["free_bytes"] <= gpu["total_bytes"] for gpu in seen["gpus"])
+    assert seen["pools"]["pinned"] is True
+    assert seen["pools"]["ranks"][0]["cpus"] == list(core_binding.place_pool(0.5, True).cpus or ())
 
 
 def test_the_cpu_pools_workers_are_pinned_by_default_for_gpu_weights(cuda_fp32):
