@@ -2,12 +2,15 @@
 code that reads it (``torch.nn.utils.clip_grad_norm_`` in every form, ``model.zero_grad()``)
 gets what it would from a materialized gradient, and anything else a clear error."""
 
+import os
+
 import pytest
 import torch
 from torch.testing import assert_close
 
 import zenflow
 from tests.models import batches, build, loss_of
+from tests.ports import free_port
 from zenflow.reference import ReferenceZenFlowAdamW
 
 SCHEDULE = dict(topk_ratio=0.25, update_interval=2, select_interval=4)
@@ -95,6 +98,44 @@ def test_operations_it_cannot_answer_are_refused_by_name():
         scaler = torch.amp.GradScaler("cpu")
         scaler.scale(torch.ones(()))  # what scaling the loss does, so that unscale_ runs
         scaler.unscale_(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _backward_under_ddp(rank: int, port: int, out_dir: str) -> None:
+    """One of two gloo ranks: a compiled GPT whose optimizer stages its weights' gradients,
+    wrapped in DistributedDataParallel as Trainer wraps a transformers model on several
+    processes (``find_unused_parameters`` unless gradient checkpointing is on); writes what
+    the backward raised."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model = build("gpt")
+        opt = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-2, step_backend="eager", **SCHEDULE)
+        model.compile(backend="zenflow", options={"inner": "eager"})
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        try:
+            loss_of("gpt", wrapped, *batches("gpt", 1)[0]).backward()
+            raised = f"nothing raised; {opt.stats()['steps']} steps"
+        except RuntimeError as error:
+            raised = str(error)
+    finally:
+        torch.distributed.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as out:
+        out.write(raised)
+
+
+def test_a_distributed_data_parallel_wrapper_is_refused_with_what_to_do_instead(tmp_path):
+    """Its reducer copies each .grad into a bucket: the error names the wrapper and the two
+    ways that work (the model unwrapped, zenflow.initialize)."""
+    torch.multiprocessing.spawn(
+        _backward_under_ddp, args=(free_port(), str(tmp_path)), nprocs=2, join=True
+    )
+    for rank in range(2):
+        raised = (tmp_path / f"rank{rank}.txt").read_text()
+        assert "on the .grad of a weight owned by ZenFlowAdamW" in raised
+        assert "DistributedDataParallel wrapper" in raised
+        assert "leave the model unwrapped, or train data-parallel through zenflow.initialize" in (
+            raised
+        )
 
 
 def test_clipping_some_weights_and_not_others_is_refused_at_the_step():

@@ -112,13 +112,30 @@ class StagedGradient(torch.Tensor):
                 "for fp16 loss scaling use zenflow.initialize, whose engine scales the loss and "
                 "unscales inside ZenFlowAdamW.step(grad_divisor=...)",
             )
-        raise _refused(str(func))
+        raise _refused(str(func), _several_processes_hint())
 
 
 def _staged(t, func) -> StagedGradient:
     if not isinstance(t, StagedGradient):
-        raise _refused(f"{func} with a StagedGradient as an argument other than the first")
+        raise _refused(
+            f"{func} with a StagedGradient as an argument other than the first",
+            _several_processes_hint(),
+        )
     return t
+
+
+def _several_processes_hint() -> str:
+    """Under several processes, what most often reaches a staged gradient is a
+    DistributedDataParallel wrapper's reducer, which copies every ``.grad`` into its buckets."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ""
+    return (
+        "with several processes this is usually a DistributedDataParallel wrapper (Trainer and "
+        "Accelerate wrap the model in one when launched on several processes) reducing .grad "
+        "itself: ZenFlowAdamW reduces the gradients it stages over ranks itself, so leave the "
+        "model unwrapped, or train data-parallel through zenflow.initialize"
+    )
 
 
 def _norm(t: torch.Tensor, ord=2, dim=None, keepdim=False, *, dtype=None) -> torch.Tensor:
