@@ -183,11 +183,11 @@ zenflow.CPUAdamW([p], lr=0.1).step()
 assert p.detach().lt(1).all(), p
 from zenflow.runtime import cpu_adam
 print("zenflow CPU AdamW ok, isa", cpu_adam.isa())'
-    "$PYTHON" -m zenflow # the machine as zenflow sees it: GPUs, CPUs, where the pool runs
     "$PYTHON" -c 'import deepspeed; print("deepspeed", deepspeed.__version__)'
     # For one CUDA test (Accelerate's prepare); its absence fails that test, not the check.
     "$PYTHON" -m pip install "${links[@]}" accelerate ||
         echo "!! accelerate did not install: test_accelerate_prepare_leaves_the_host_state_on_the_host will fail"
+    "$PYTHON" -m zenflow # the machine as zenflow sees it: GPUs, CPUs, where the pool runs
 }
 
 # DeepSpeedCPUAdam is compiled on first use (ninja, ~1 min): start it now, next to the tests.
