@@ -244,52 +244,59 @@ def test_workers_are_never_pinned_outside_the_mask_of_the_thread_that_starts_the
     stdout_of(["-c", _OUTSIDE_THE_MASK], timeout_s=120)
 
 
-def _rank_pool(rank: int, port: int, out_dir: str, settings: dict) -> None:
-    """One of two gloo ranks on this machine, each with the test's mask: trains a few overlapped
-    windows and writes where its pool says it runs and where its workers do run."""
+def _rank_pools(rank: int, port: int, out_dir: str, runs: list[dict]) -> None:
+    """One of two gloo ranks on this machine, each with the test's mask: for each of ``runs``
+    (an optimizer's settings) in turn, trains a few overlapped windows and records where its
+    pool says it runs and where its workers do run."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    seen = []
     try:
-        torch.manual_seed(0)
-        model = torch.nn.Linear(16, 8)
-        opt = zenflow.ZenFlowAdamW(
-            model.parameters(),
-            lr=1e-2,
-            topk_ratio=0.5,
-            update_interval=2,
-            select_interval=4,
-            overlap_step=True,
-            **settings,
-        )
-        syncs = opt.stats()["device_syncs"]
-        for _ in range(6):
-            model(torch.randn(4, 16)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-        stats = opt.stats()
+        for settings in runs:
+            torch.manual_seed(0)
+            model = torch.nn.Linear(16, 8)
+            opt = zenflow.ZenFlowAdamW(
+                model.parameters(),
+                lr=1e-2,
+                topk_ratio=0.5,
+                update_interval=2,
+                select_interval=4,
+                overlap_step=True,
+                **settings,
+            )
+            syncs = opt.stats()["device_syncs"]
+            for _ in range(6):
+                model(torch.randn(4, 16)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            stats = opt.stats()
+            workers = [
+                sorted(os.sched_getaffinity(int(t)))
+                for t in os.listdir("/proc/self/task")
+                if open(f"/proc/self/task/{t}/comm").read().strip() == "zenflow-adamw"
+            ]
+            seen.append(
+                dict(
+                    threads=stats["cpu_pool_threads"],
+                    cpus=stats["cpu_pool_cpus"],
+                    workers=workers,
+                    updates=stats["cpu_updates"],
+                    syncs_when_built=syncs,
+                )
+            )
     finally:
         torch.distributed.destroy_process_group()
-    workers = [
-        sorted(os.sched_getaffinity(int(t)))
-        for t in os.listdir("/proc/self/task")
-        if open(f"/proc/self/task/{t}/comm").read().strip() == "zenflow-adamw"
-    ]
-    seen = dict(
-        threads=stats["cpu_pool_threads"],
-        cpus=stats["cpu_pool_cpus"],
-        workers=workers,
-        updates=stats["cpu_updates"],
-        syncs_when_built=syncs,
-    )
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as out:
         json.dump(seen, out)
 
 
-def _two_ranks(tmp_path, **settings) -> list[dict]:
+def _two_ranks(tmp_path, *runs: dict) -> list[list[dict]]:
+    """Per run, each rank's record."""
     torch.multiprocessing.spawn(
-        _rank_pool, args=(free_port(), str(tmp_path), settings), nprocs=2, join=True
+        _rank_pools, args=(free_port(), str(tmp_path), list(runs)), nprocs=2, join=True
     )
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [list(run) for run in zip(*ranks, strict=True)]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="affinity masks are Linux's")
@@ -302,7 +309,9 @@ def test_two_ranks_on_one_mask_pin_their_pools_to_cores_apart(tmp_path):
     synchronization when the optimizer is built."""
     mask = os.sched_getaffinity(0)
     cores = core_binding.physical_cores(mask)
-    bound = _two_ranks(tmp_path, bind_cores=True)
+    bound, unbound = _two_ranks(
+        tmp_path, dict(bind_cores=True), dict(bind_cores=False, pt_reserved_cores_perc=0.0)
+    )
     for rank in bound:
         assert rank["updates"] > 0  # the pool ran overlapped updates
         assert rank["syncs_when_built"] == 1
@@ -316,7 +325,6 @@ def test_two_ranks_on_one_mask_pin_their_pools_to_cores_apart(tmp_path):
         assert set(bound[0]["cpus"]).isdisjoint(bound[1]["cpus"])
     # With no share kept for training, one rank alone would take a worker per logical CPU;
     # two take about half each.
-    unbound = _two_ranks(tmp_path, bind_cores=False, pt_reserved_cores_perc=0.0)
     for rank in unbound:
         assert rank["cpus"] == []
         assert rank["threads"] == len(rank["workers"]) >= 1
