@@ -2,11 +2,13 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from tests.python_process import stdout_of
+from tests.python_process import ROOT, stdout_of
 from zenflow import report
 from zenflow.runtime import core_binding, cpu_adam
 
@@ -60,3 +62,44 @@ def test_bad_arguments_are_refused_with_the_reason(argv, message, capsys):
         report.main(argv)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+_TRAINING_ALONGSIDE = """
+import json, sys, torch, zenflow
+model = torch.nn.Linear(16, 8)
+opt = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.5, update_interval=2,
+                           overlap_step=True, bind_cores=True)
+for _ in range(4):
+    model(torch.randn(4, 16)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+print(json.dumps(opt.stats()["cpu_pool_cpus"]), flush=True)
+sys.stdin.read()  # the pool's workers stay until the test closes stdin
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+def test_the_report_names_another_zenflow_process_and_where_its_pool_runs(capsys):
+    """An independent job already training on this machine: its pid and its pool's CPUs, and
+    whether they are where this one's would be pinned."""
+    other = subprocess.Popen(
+        [sys.executable, "-c", _TRAINING_ALONGSIDE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    try:
+        pinned = json.loads(other.stdout.readline()) or sorted(os.sched_getaffinity(0))
+        assert report.main(["--json"]) == 0
+        seen = json.loads(capsys.readouterr().out)["running_pools"]
+        assert {"pid": other.pid, "cpus": pinned} in seen
+        assert report.main(["--bind-cores", "true"]) == 0
+        text = capsys.readouterr().out
+        assert f"another zenflow process, pid {other.pid}: its pool on CPUs" in text
+        if core_binding.place_pool(0.5, True).cpus:  # this machine's cores split
+            assert "where this one's would be pinned" in text
+    finally:
+        other.stdin.close()
+        other.wait(timeout=60)

@@ -6,12 +6,15 @@ which kernels it picked), the CPUs this process may use and where the CPU pool o
 would run (``zenflow.runtime.core_binding``: ``--ranks N`` for N ranks started on this machine
 with this process's affinity mask, as ``torchrun`` starts them), the pinned-memory limit, each
 GPU's free memory and how large a model's unselected columns may be for device-side sums
-("auto"), and the optional integrations. ``--json`` prints the same as one JSON object.
+("auto"), the CPU pools other zenflow processes run on this machine (independent jobs pinned to
+the same cores slow each other), and the optional integrations. ``--json`` prints the same as
+one JSON object.
 """
 
 import argparse
 import importlib.metadata
 import json
+import os
 import platform
 import resource
 import shutil
@@ -127,6 +130,25 @@ def _pools(args, gpus: list[dict]) -> dict:
     }
 
 
+def _running_pools() -> list[dict]:
+    """Other processes' CPU pools on this machine (their workers are the threads named
+    ``zenflow-adamw``), by process: the pid and the CPUs its workers may run on (from Linux's
+    /proc; none where it is not there or another user's processes are hidden)."""
+    pools: dict[int, set[int]] = {}
+    for task in Path("/proc").glob("[0-9]*/task/[0-9]*"):
+        try:
+            if (task / "comm").read_text().strip() != "zenflow-adamw":
+                continue
+            status = (task / "status").read_text().splitlines()
+        except OSError:  # the thread or its process ended while the list was read
+            continue
+        allowed = [line.split(":", 1)[1] for line in status if line.startswith("Cpus_allowed_list")]
+        pid = int(task.parent.parent.name)
+        if allowed and pid != os.getpid():
+            pools.setdefault(pid, set()).update(core_binding.parse_cpu_list(allowed[0]))
+    return [{"pid": pid, "cpus": sorted(cpus)} for pid, cpus in sorted(pools.items())]
+
+
 def _packages() -> dict:
     versions = {}
     for name in OPTIONAL_PACKAGES:
@@ -158,6 +180,7 @@ def gather(args) -> dict:
         "shm_free_bytes": shm,
         "gpus": gpus,
         "pools": _pools(args, gpus),
+        "running_pools": _running_pools(),
         "packages": _packages(),
     }
 
@@ -228,6 +251,19 @@ def _text(report: dict) -> str:
         )
         lines.append(
             f"  rank {rank['rank']}: overlapped updates {beside}; waited-for jobs {waited}"
+        )
+    pinned = {cpu for rank in ranks for cpu in rank["cpus"]}
+    for other in report["running_pools"]:
+        shared = pinned & set(other["cpus"])
+        lines.append(
+            f"  another zenflow process, pid {other['pid']}: its pool on CPUs "
+            f"{_cpu_list(other['cpus'])}"
+            + (
+                f", {len(shared)} of them where this one's would be pinned: give each job "
+                "cores of its own (taskset) or bind_cores false"
+                if shared
+                else ""
+            )
         )
     packages = ", ".join(
         f"{name} {version or 'not installed'}" for name, version in report["packages"].items()

@@ -29,7 +29,7 @@ optimizer is built (``zenflow.runtime.comm.DataParallel.gather_objects``).
 
 Several independent jobs on one machine, each with the whole machine as its mask, would all pin
 their pools to the same cores: give each its own cores (``taskset``, ``numactl``, a container's
-CPU set) or set ``bind_cores`` False.
+CPU set) or set ``bind_cores`` False; ``python -m zenflow`` lists the pools already running.
 
 With ``bind_cores`` "auto" (the default) this is done where the weights live on a GPU: on the
 CPU the training thread's own work spans every core (torch's threads), so there is no core of
@@ -197,13 +197,13 @@ def _check_share(reserved_perc: float) -> None:
 def _siblings(cpu: int, sysfs: Path) -> frozenset[int]:
     try:
         text = (sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text()
-        siblings = _parse_cpu_list(text)
+        siblings = parse_cpu_list(text)
     except (OSError, ValueError):
         return frozenset({cpu})
     return siblings if cpu in siblings else frozenset({cpu})
 
 
-def _parse_cpu_list(text: str) -> frozenset[int]:
+def parse_cpu_list(text: str) -> frozenset[int]:
     """Linux's CPU list format: ``0-3,8,10-11``."""
     cpus: set[int] = set()
     for part in text.strip().split(","):
