@@ -163,15 +163,16 @@ def main(argv=None) -> None:
             CPUJobs(core_binding.place_pool(share, bind), {}) for bind in (True, False)
         )
         ways = [unpinned]
-        if pinned.cpus is not None:
+        if pinned.place.cpus is not None:
             ways.insert(0, pinned)
         else:
             print(f"({share}: pinning cannot split these cores, no pinned row)")
         for jobs in ways:
             jobs.background()
-            name = f"{share} {'pinned' if jobs.cpus else 'unpinned'}, threads {jobs.threads}"
+            place = jobs.place
+            name = f"{share} {'pinned' if place.cpus else 'unpinned'}, threads {place.threads}"
             row = _way(name, x, args.ops, passes)
-            rows.append(dict(row, share=share, threads=jobs.threads, cpus=list(jobs.cpus or ())))
+            rows.append(dict(row, share=share, threads=place.threads, cpus=list(place.cpus or ())))
     cpu_adam.set_worker_cpus(None)
     print(json.dumps(dict(device=str(device), rows=rows)))
 

@@ -106,9 +106,9 @@ def _pinned_memory_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
-def _pools(args, gpus: list[dict]) -> dict:
-    bind = {"true": True, "false": False}.get(args.bind_cores, bool(gpus))
-    mask = core_binding.allowed_cpus()
+def _pools(args, mask: set[int], gpus: list[dict]) -> dict:
+    requested = {"true": True, "false": False}.get(args.bind_cores, "auto")
+    bind = core_binding.binds(requested, torch.device("cuda" if gpus else "cpu"))
     masks = [mask] * args.ranks
     ranks = []
     for index in range(args.ranks):
@@ -179,7 +179,7 @@ def gather(args) -> dict:
         "pinned_memory_limit_bytes": _pinned_memory_limit(),
         "shm_free_bytes": shm,
         "gpus": gpus,
-        "pools": _pools(args, gpus),
+        "pools": _pools(args, mask, gpus),
         "running_pools": _running_pools(),
         "packages": _packages(),
     }

@@ -772,8 +772,8 @@ class Conductor:
             accumulate_on_device=self.device_sums.on,
             device_syncs=self.sync.count,
             hand_over_s=sum(w.hand_over_s for w in self.weights),
-            cpu_pool_threads=self.jobs.threads,
-            cpu_pool_cpus=list(self.jobs.cpus or ()),
+            cpu_pool_threads=self.jobs.place.threads,
+            cpu_pool_cpus=list(self.jobs.place.cpus or ()),
             **self.counters,
         )
 

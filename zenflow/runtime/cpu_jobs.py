@@ -47,14 +47,11 @@ class _QueuedSums:
 
 class CPUJobs:
     """Owns the pool settings this optimizer trains with (``place``, from
-    ``zenflow.runtime.core_binding.place_pool``; ``threads`` and ``cpus`` for overlapped
-    updates), its queued window-sum additions, the phase its waits count to (``phase``, one
+    ``zenflow.runtime.core_binding.place_pool``), its queued window-sum additions, the phase its waits count to (``phase``, one
     of ``WAIT_PHASES``), and its share of ``counters`` (the timings above)."""
 
     def __init__(self, place: core_binding.PoolPlace, counters: dict):
         self.place = place
-        self.threads = place.threads
-        self.cpus = place.cpus
         self.background()
         self.counters = counters
         for phase in WAIT_PHASES:
@@ -79,9 +76,9 @@ class CPUJobs:
         """The pool as overlapped updates run it, beside training: set before each of them is
         submitted (each setting a no-op when already so), as another user of the process's
         pool (a ``CPUAdamW`` step, another optimizer) may have set it otherwise meanwhile."""
-        cpu_adam.set_num_threads(self.threads)
+        cpu_adam.set_num_threads(self.place.threads)
         cpu_adam.set_worker_nice(BACKGROUND_NICE)
-        cpu_adam.set_worker_cpus(self.cpus)
+        cpu_adam.set_worker_cpus(self.place.cpus)
 
     def wait(self, handle: cpu_adam.CPUAdamHandle) -> None:
         started = time.perf_counter()
